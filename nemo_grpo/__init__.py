@@ -1,0 +1,1 @@
+"""nemo_grpo: GRPO post-training for LLMs."""

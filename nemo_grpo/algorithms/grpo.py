@@ -1,0 +1,213 @@
+"""The GRPO loop: rollouts -> rewards -> group advantages -> old/reference log-probs -> train -> refit.
+
+`GRPOTrainer.setup(cfg)` builds every component (Ray actors included); `run()` trains to
+grpo.max_num_steps, validating every val_period steps and checkpointing every save_period steps; a run
+started with checkpoints in checkpointing.checkpoint_dir continues from the newest exactly (prompt order,
+sampling seeds, weights, optimizer and RNG state).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from nemo_grpo.algorithms.advantages import compute_advantages, dynamic_sampling_keep, scale_rewards
+from nemo_grpo.algorithms.losses import generation_mismatch_metrics, make_loss
+from nemo_grpo.algorithms.rollout import Sample, collate, run_rollouts
+from nemo_grpo.config import MasterConfig, to_yaml
+from nemo_grpo.utils.timer import Timer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GRPOState:
+    step: int = 0  # optimizer rounds completed
+    consumed_prompts: int = 0
+    loader: dict = field(default_factory=lambda: {"epoch": 0, "position": 0})
+    val_metrics: dict = field(default_factory=dict)
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: MasterConfig, *, tokenizer, policy, engine, task_to_env, loader, val_datums,
+                 logger, checkpointer):
+        self.cfg, self.tokenizer, self.policy, self.engine = cfg, tokenizer, policy, engine
+        self.task_to_env, self.loader, self.val_datums = task_to_env, loader, val_datums
+        self.logger, self.checkpointer = logger, checkpointer
+        self.loss_fn = make_loss("clipped_pg", cfg.loss_fn)
+        self.state = GRPOState()
+        self.timer = Timer()
+        self.history: list[dict[str, float]] = []  # per-step metrics, for callers and tests
+
+    # ------------------------------------------------------------------------------------------ rollouts
+    def _rollout(self, datums, seed: int, greedy: bool = False) -> list[Sample]:
+        c = self.cfg
+        return run_rollouts(datums, self.engine, self.tokenizer, self.task_to_env,
+                            max_new_tokens=c.policy.generation.max_new_tokens, max_turns=c.grpo.max_rollout_turns,
+                            max_seq_len=c.policy.max_total_sequence_length, seed=seed, greedy=greedy,
+                            timer=None if greedy else self.timer)
+
+    def _score_groups(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scaled rewards [N], advantages [N], group std [N] of contiguous groups."""
+        g = self.cfg.grpo
+        rewards = scale_rewards(torch.tensor([s.reward for s in samples]), g.reward_scaling)
+        adv, _, std = compute_advantages(rewards, g.num_generations_per_prompt, g.use_leave_one_out_baseline,
+                                         g.normalize_rewards)
+        return rewards, adv, std
+
+    def _collect(self, step: int) -> tuple[list[Sample], torch.Tensor, torch.Tensor, dict]:
+        """Samples, rewards [N] and advantages [N] for one step; with dynamic sampling, only groups whose
+        rewards differ, drawn over up to dynamic_sampling_max_gen_batches generation batches."""
+        g = self.cfg.grpo
+        G, wanted = g.num_generations_per_prompt, g.num_prompts_per_step
+        kept: list[tuple[list[Sample], torch.Tensor, torch.Tensor]] = []
+        all_rewards, n_groups, batches = [], 0, 0
+        while n_groups < wanted:
+            if batches == (g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
+                raise RuntimeError(
+                    f"dynamic sampling found {n_groups} of {wanted} prompts with differing rewards after "
+                    f"{batches} generation batches: raise grpo.dynamic_sampling_max_gen_batches or "
+                    f"grpo.batch_multiplier")
+            n_prompts = int(wanted * g.batch_multiplier) if g.use_dynamic_sampling else wanted
+            prompts = self.loader.next_batch(n_prompts)
+            self.state.consumed_prompts += len(prompts)
+            samples = self._rollout([d for d in prompts for _ in range(G)], seed=self._seed(step, batches))
+            rewards, adv, std = self._score_groups(samples)
+            all_rewards.append(rewards)
+            keep = dynamic_sampling_keep(rewards, G) if g.use_dynamic_sampling else torch.ones(len(prompts), dtype=torch.bool)
+            for i in torch.nonzero(keep).flatten().tolist():
+                if n_groups < wanted:
+                    sl = slice(i * G, (i + 1) * G)
+                    kept.append((samples[sl], rewards[sl], adv[sl]))
+                    n_groups += 1
+            batches += 1
+        samples = [s for group in kept for s in group[0]]
+        rewards_all = torch.cat(all_rewards)
+        stats = {"reward": rewards_all.mean().item(), "gen_batches": float(batches),
+                 "fraction_groups_kept": n_groups / (len(rewards_all) / G)}
+        return samples, torch.cat([k[1] for k in kept]), torch.cat([k[2] for k in kept]), stats
+
+    def _seed(self, step: int, batch: int) -> int:
+        return (self.cfg.grpo.seed * 1_000_003 + step * 101 + batch) % (2**31)
+
+    # ------------------------------------------------------------------------------------------ one step
+    def _train_batch(self, samples: list[Sample], advantages: torch.Tensor) -> dict[str, Any]:
+        batch = collate(samples, self.tokenizer.pad_token_id or 0)
+        truncated = batch["truncated"].float()
+        batch["sample_mask"] = 1.0 - truncated if self.cfg.grpo.overlong_filtering else torch.ones(len(samples))
+        batch["advantages"] = advantages[:, None] * batch["token_mask"]  # [N, T]
+        return batch
+
+    def train_step(self) -> dict[str, float]:
+        cfg, step = self.cfg, self.state.step + 1
+        self.timer.reset()
+        with self.timer.time("step"):
+            samples, rewards, adv, stats = self._collect(step)
+            batch = self._train_batch(samples, adv)
+            with self.timer.time("logprobs"):
+                batch["prev_logprobs"] = self.policy.get_logprobs(batch)
+                if cfg.loss_fn.reference_policy_kl_penalty > 0:
+                    batch["reference_policy_logprobs"] = self.policy.get_reference_logprobs(batch)
+            mask = batch["token_mask"] * batch["sample_mask"][:, None]
+            mismatch = generation_mismatch_metrics(batch["prev_logprobs"], batch["generation_logprobs"], mask)
+            with self.timer.time("training"):
+                train_metrics = self.policy.train(batch, self.loss_fn)
+            with self.timer.time("refit"):
+                self.refit()
+        metrics = {**train_metrics, **mismatch, **stats, **self._env_metrics(batch),
+                   "reward_after_scaling": rewards.mean().item(),
+                   "mean_response_length": batch["response_lengths"].float().mean().item(),
+                   "fraction_truncated": batch["truncated"].float().mean().item()}
+        self.state.step = step
+        self.state.loader = self.loader.state_dict()
+        return metrics
+
+    def _env_metrics(self, batch: dict) -> dict[str, float]:
+        import ray
+
+        envs = {id(e): e for e in self.task_to_env.values()}.values()
+        view = {k: batch[k] for k in ("rewards", "text", "response_lengths", "prompt_lengths", "truncated")}
+        view["num_generations_per_prompt"] = self.cfg.grpo.num_generations_per_prompt
+        results = ray.get([e.global_post_process_and_metrics.remote(view) for e in envs])
+        return {k: v for _, m in results for k, v in m.items()}
+
+    def refit(self) -> None:
+        """Policy weights -> generation engine, in place, bucket by bucket."""
+        self.engine.update_weights(self.policy.export_weights(self.cfg.policy.generation.refit_bucket_size_mb))
+
+    # ------------------------------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """Greedy decoding of up to grpo.max_val_samples validation prompts: val/accuracy = mean reward."""
+        g = self.cfg.grpo
+        datums = self.val_datums[: g.max_val_samples]
+        rewards, lengths = [], []
+        for start in range(0, len(datums), g.val_batch_size):
+            samples = self._rollout(datums[start : start + g.val_batch_size], seed=g.seed, greedy=True)
+            rewards += [s.reward for s in samples]
+            lengths += [s.response_length for s in samples]
+        metrics = {"accuracy": sum(rewards) / len(rewards), "mean_response_length": sum(lengths) / len(lengths),
+                   "num_samples": float(len(rewards))}
+        self.state.val_metrics = metrics
+        self.logger.log_metrics(metrics, self.state.step, prefix="val")
+        return metrics
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def save(self) -> str:
+        info = {"step": self.state.step, "consumed_prompts": self.state.consumed_prompts,
+                "loader": self.state.loader, "metrics": {f"val:{k}": v for k, v in self.state.val_metrics.items()}}
+        tmp = self.checkpointer.init_tmp_checkpoint(self.state.step, info, to_yaml(self.cfg))
+        self.policy.save_checkpoint(os.path.join(tmp, "policy"))
+        return self.checkpointer.finalize_checkpoint(tmp)
+
+    def maybe_resume(self) -> Optional[str]:
+        """Continue from the newest checkpoint when checkpointing.resume allows; returns its path."""
+        ck = self.cfg.checkpointing
+        path = self.checkpointer.get_latest_checkpoint_path() if ck.enabled and ck.resume else None
+        if path is None:
+            return None
+        info = self.checkpointer.load_training_info(path)
+        self.policy.load_checkpoint(os.path.join(path, "policy"))
+        self.state = GRPOState(step=info["step"], consumed_prompts=info["consumed_prompts"], loader=info["loader"],
+                               val_metrics={k[len("val:"):]: v for k, v in info.get("metrics", {}).items()})
+        self.loader.load_state_dict(info["loader"])
+        self.refit()
+        log.info("resumed from %s at step %d", path, self.state.step)
+        return path
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def run(self) -> list[dict[str, float]]:
+        cfg, g = self.cfg, self.cfg.grpo
+        self.maybe_resume()
+        if g.val_at_start and self.state.step == 0 and self.val_datums:
+            self.validate()
+        self.logger.start_progress(g.max_num_steps, self.state.step)
+        while self.state.step < g.max_num_steps:
+            metrics = self.train_step()
+            step = self.state.step
+            timings = {k: v for k, v in self.timer.get_timing_metrics().items()}
+            self.logger.log_metrics(metrics, step, prefix="train")
+            self.logger.log_metrics(timings, step, prefix="timing")
+            self.history.append({**metrics, **{f"timing/{k}": v for k, v in timings.items()}})
+            last = step == g.max_num_steps
+            if self.val_datums and ((g.val_period and step % g.val_period == 0) or (last and g.val_at_end)):
+                self.validate()
+            self.logger.update_progress(step, metrics["reward"], timings)
+            if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last):
+                self.save()
+        return self.history
+
+    def close(self) -> None:
+        import ray
+
+        self.logger.close()
+        if self.cfg.logger.plot:
+            self.logger.save_plot()
+        for env in {id(e): e for e in self.task_to_env.values()}.values():
+            ray.get(env.shutdown.remote())
+        self.engine.shutdown()
+        self.policy.shutdown()
+

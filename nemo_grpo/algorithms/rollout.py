@@ -1,0 +1,156 @@
+"""Rollouts: generate, ask the environments, continue while they ask for more turns; collate to tensors.
+
+Each sample keeps one flat token sequence (prompt, model turns, environment turns) with a mask that is 1
+only on tokens the model generated, so environment text never enters the loss.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from nemo_grpo.data.prompts import Datum, render_prompt
+
+
+@dataclass
+class Sample:
+    """One response being rolled out (a "sample"); lists grow turn by turn."""
+
+    datum: Datum
+    token_ids: list[int]
+    token_mask: list[float]
+    generation_logprobs: list[float]
+    message_log: list[dict[str, str]]
+    env_info: dict[str, Any]
+    reward: float = 0.0
+    done: bool = False
+    truncated: bool = False
+    response_length: int = 0
+    answer: Optional[str] = None
+    stop_strings: Optional[list[str]] = None
+    turns: int = 0
+    text: str = field(default="")
+
+
+def new_sample(datum: Datum) -> Sample:
+    ids = list(datum.prompt_ids)
+    return Sample(datum=datum, token_ids=ids, token_mask=[0.0] * len(ids), generation_logprobs=[0.0] * len(ids),
+                  message_log=copy.deepcopy(datum.message_log), env_info=dict(datum.extra_env_info),
+                  stop_strings=datum.stop_strings)
+
+
+def _observation_ids(tokenizer, log_before: list[dict], observation: dict) -> list[int]:
+    """Tokens that the chat template adds for `observation` (and the next generation prompt)."""
+    before = render_prompt(tokenizer, log_before)
+    after = render_prompt(tokenizer, log_before + [observation])
+    if after[: len(before)] == before:
+        return after[len(before):]
+    return render_prompt(tokenizer, [observation])
+
+
+def _generate_turn(samples: list[Sample], engine, tokenizer, max_new_tokens: int, max_seq_len: int,
+                   seed: int, greedy: bool) -> list[Sample]:
+    """One generation call for every unfinished sample; returns the samples that generated."""
+    active = [s for s in samples if not s.done]
+    budget = min(max_new_tokens, max_seq_len - max(len(s.token_ids) for s in active))
+    if budget <= 0:
+        for s in active:
+            s.done, s.truncated = True, True
+        return []
+    outputs = engine.generate([s.token_ids for s in active], greedy=greedy, seed=seed,
+                              stop_strings=[s.stop_strings for s in active], max_new_tokens=budget)
+    for s, out in zip(active, outputs):
+        s.token_ids += out.token_ids
+        s.token_mask += [1.0] * len(out.token_ids)
+        s.generation_logprobs += out.logprobs
+        s.response_length += len(out.token_ids)
+        s.truncated = out.finish_reason == "length"
+        s.text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        s.message_log.append({"role": "assistant", "content": s.text})
+    return active
+
+
+def _step_environments(active: list[Sample], task_to_env: dict, tokenizer, last_turn: bool) -> None:
+    """Send each sample to its task's environment (all environments in parallel) and apply the results."""
+    import ray
+
+    by_task = defaultdict(list)
+    for s in active:
+        by_task[s.datum.task_name].append(s)
+    futures = {task: task_to_env[task].step.remote([s.message_log for s in group], [s.env_info for s in group])
+               for task, group in by_task.items()}
+    for task, ret in zip(futures, ray.get(list(futures.values()))):
+        for i, s in enumerate(by_task[task]):
+            s.reward += float(ret.rewards[i])
+            s.answer = ret.answers[i]
+            s.turns += 1
+            if ret.metadata[i] is not None:
+                s.env_info = ret.metadata[i]
+            if bool(ret.terminateds[i]) or last_turn or s.truncated:
+                s.done = True
+                continue
+            obs = ret.observations[i]
+            obs_ids = _observation_ids(tokenizer, s.message_log, obs)
+            s.message_log.append(obs)
+            s.token_ids += obs_ids
+            s.token_mask += [0.0] * len(obs_ids)
+            s.generation_logprobs += [0.0] * len(obs_ids)
+            if ret.next_stop_strings[i] is not None:
+                s.stop_strings = ret.next_stop_strings[i]
+
+
+def run_rollouts(datums: list[Datum], engine, tokenizer, task_to_env: dict, *, max_new_tokens: int,
+                 max_turns: int, max_seq_len: int, seed: int, greedy: bool = False, timer=None) -> list[Sample]:
+    """Roll out one sample per datum for up to max_turns turns within max_seq_len tokens."""
+    samples = [new_sample(d) for d in datums]
+    for turn in range(max_turns):
+        if all(s.done for s in samples):
+            break
+        with _section(timer, "generation"):
+            active = _generate_turn(samples, engine, tokenizer, max_new_tokens, max_seq_len,
+                                    seed * 1000 + turn, greedy)
+        if active:
+            with _section(timer, "environment"):
+                _step_environments(active, task_to_env, tokenizer, last_turn=turn == max_turns - 1)
+    return samples
+
+
+class _section:
+    def __init__(self, timer, name):
+        self.ctx = timer.time(name) if timer is not None else None
+
+    def __enter__(self):
+        return self.ctx.__enter__() if self.ctx else None
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc) if self.ctx else False
+
+
+def collate(samples: list[Sample], pad_id: int) -> dict[str, Any]:
+    """Samples -> the training batch dict (right-padded tensors; see backends' data contract).
+
+    input_ids [N, T], input_lengths [N], token_mask [N, T], generation_logprobs [N, T], rewards [N],
+    truncated [N] bool, response_lengths [N], prompt_lengths [N]; plus "text" (N strings).
+    """
+    n, t = len(samples), max(len(s.token_ids) for s in samples)
+    batch = {
+        "input_ids": torch.full((n, t), pad_id, dtype=torch.long),
+        "token_mask": torch.zeros((n, t)),
+        "generation_logprobs": torch.zeros((n, t)),
+    }
+    for i, s in enumerate(samples):
+        k = len(s.token_ids)
+        batch["input_ids"][i, :k] = torch.tensor(s.token_ids)
+        batch["token_mask"][i, :k] = torch.tensor(s.token_mask)
+        batch["generation_logprobs"][i, :k] = torch.tensor(s.generation_logprobs)
+    batch["input_lengths"] = torch.tensor([len(s.token_ids) for s in samples])
+    batch["rewards"] = torch.tensor([s.reward for s in samples])
+    batch["truncated"] = torch.tensor([s.truncated for s in samples])
+    batch["response_lengths"] = torch.tensor([s.response_length for s in samples])
+    batch["prompt_lengths"] = torch.tensor([len(s.datum.prompt_ids) for s in samples])
+    batch["text"] = [s.text for s in samples]
+    return batch

@@ -1,0 +1,68 @@
+"""Build every component of a GRPO run from a validated config (Ray actors included)."""
+
+from __future__ import annotations
+
+import logging
+
+from nemo_grpo.config import MasterConfig, to_dict
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(cfg: MasterConfig, model_path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.policy.tokenizer.name or model_path)
+    if cfg.policy.tokenizer.chat_template is not None:
+        tokenizer.chat_template = cfg.policy.tokenizer.chat_template
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_datasets(cfg: MasterConfig, tokenizer):
+    """(train PromptLoader, validation datums) from data.*"""
+    from nemo_grpo.data.datasets import load_problems
+    from nemo_grpo.data.prompts import PromptLoader, build_prompts
+
+    train, _ = build_prompts(load_problems(cfg.data.train), tokenizer, cfg.data.train, cfg.data.max_input_seq_length)
+    val = []
+    if cfg.data.validation is not None:
+        val, _ = build_prompts(load_problems(cfg.data.validation), tokenizer, cfg.data.validation,
+                               cfg.data.max_input_seq_length)
+    loader = PromptLoader(train, cfg.grpo.num_prompts_per_step, cfg.data.shuffle, cfg.grpo.seed)
+    return loader, val
+
+
+def build_environments(cfg: MasterConfig) -> dict:
+    """task name -> environment actor, one actor per environment named in data.*.env_name."""
+    from nemo_grpo.envs import create_env
+
+    names = {ds.env_name for ds in (cfg.data.train, cfg.data.validation) if ds is not None}
+    return {name: create_env(name, getattr(cfg.env, name)) for name in sorted(names)}
+
+
+def build_trainer(cfg: MasterConfig):
+    import ray
+
+    from nemo_grpo.algorithms.grpo import GRPOTrainer
+    from nemo_grpo.distributed.cluster import init_ray
+    from nemo_grpo.generation.interface import make_generation_engine
+    from nemo_grpo.models.builtin import resolve_model_path
+    from nemo_grpo.policy import Policy
+    from nemo_grpo.utils.checkpoint import CheckpointManager
+    from nemo_grpo.utils.logger import Logger
+
+    model_path = resolve_model_path(cfg.policy.model_name, seed=0)
+    tokenizer = load_tokenizer(cfg, model_path)
+    loader, val = build_datasets(cfg, tokenizer)
+    checkpointer = CheckpointManager(cfg.checkpointing)
+    logger = Logger(cfg.logger, to_dict(cfg))
+    init_ray()
+    envs = build_environments(cfg)
+    policy = Policy(cfg.policy, cfg.cluster, model_path, init_reference=cfg.loss_fn.reference_policy_kl_penalty > 0,
+                    seed=cfg.grpo.seed)
+    engine = make_generation_engine(cfg.policy.generation, model_path, cfg.cluster)
+    ray.get([e.__ray_ready__.remote() for e in envs.values()])
+    return GRPOTrainer(cfg, tokenizer=tokenizer, policy=policy, engine=engine, task_to_env=envs, loader=loader,
+                       val_datums=val, logger=logger, checkpointer=checkpointer)

@@ -1,0 +1,429 @@
+"""Typed configuration: dataclass schema, YAML recipes, dotted command-line overrides, validation.
+
+A recipe is YAML data merged onto the schema below with OmegaConf, so an unknown key or a value of the
+wrong type is rejected with the full dotted key. Cross-field rules (batch divisibility, parallel layout)
+live in `validate()`. Every error is a `ConfigError` whose message names the key and what is allowed.
+Key names follow NeMo RL's GRPO guide so its users recognise them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+BUILTIN_MODEL_PREFIX = "builtin:"
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending key."""
+
+
+# ----------------------------------------------------------------------------------------------- policy
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 0  # linear warm-up of the learning rate over this many optimizer steps, then constant
+
+
+@dataclass
+class DTensorConfig:
+    tensor_parallel_size: int = 1
+    # data-parallel (FSDP2) degree; null = world size / tensor_parallel_size
+    data_parallel_size: Optional[int] = None
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class ResourcesConfig:
+    gpus_per_node: Optional[int] = None
+    num_nodes: Optional[int] = None
+
+
+@dataclass
+class ColocatedConfig:
+    enabled: bool = True  # generation shares the policy's devices
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # used when enabled is false
+
+
+@dataclass
+class GenerationConfig:
+    backend: str = "torch"  # torch | vllm
+    max_new_tokens: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+    stop_strings: Optional[list[str]] = None
+    stop_token_ids: Optional[list[int]] = None  # besides the tokenizer's EOS
+    refit_bucket_size_mb: float = 256.0  # weights travel to the engine in buckets of about this size
+    colocated: ColocatedConfig = field(default_factory=ColocatedConfig)
+
+
+@dataclass
+class TokenizerConfig:
+    name: Optional[str] = None  # local HF directory; null = policy.model_name
+    chat_template: Optional[str] = None  # Jinja template overriding the tokenizer's own
+
+
+@dataclass
+class PolicyConfig:
+    # a local Hugging Face directory, or "builtin:tiny-addition" (built and warm-started locally on first use)
+    model_name: str = "builtin:tiny-addition"
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    backend: str = "dtensor"  # Policy back end, by registered name
+    precision: str = "float32"  # float32 | bfloat16 (bf16 mixed precision: fp32 master weights)
+    train_global_batch_size: int = 128  # samples per optimizer step
+    train_micro_batch_size: int = 32  # samples per forward/backward on one data-parallel rank
+    logprob_batch_size: int = 64  # samples per forward in get_logprobs on one data-parallel rank
+    max_total_sequence_length: int = 16  # prompt + response tokens
+    max_grad_norm: Optional[float] = 0.2  # null disables clipping
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    dtensor_cfg: DTensorConfig = field(default_factory=DTensorConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+
+# ----------------------------------------------------------------------------------------------- loss / grpo
+@dataclass
+class LossConfig:
+    reference_policy_kl_penalty: float = 0.0  # beta; 0 disables the reference model entirely
+    reference_policy_kl_type: str = "k3"  # k1 | k2 | k3
+    kl_input_clamp_value: Optional[float] = 20.0  # clamp log-ratio before the estimator
+    kl_output_clamp_value: Optional[float] = 10.0  # clamp the per-token KL after it
+    ratio_clip_min: float = 0.2  # epsilon_low: ratio clipped to [1 - ratio_clip_min, 1 + ratio_clip_max]
+    ratio_clip_max: float = 0.2  # epsilon_high (DAPO clip-higher when > ratio_clip_min)
+    ratio_clip_c: Optional[float] = None  # dual clip (Ye et al. 2019), must be > 1
+    use_on_policy_kl_approximation: bool = False
+    use_importance_sampling_correction: bool = False
+    truncated_importance_sampling_ratio: Optional[float] = None  # cap on the IS weight when correcting
+    token_level_loss: bool = True  # false: mean over tokens of each sample, then over samples
+
+
+@dataclass
+class RewardScalingConfig:
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+
+@dataclass
+class GRPOConfig:
+    num_prompts_per_step: int = 16
+    num_generations_per_prompt: int = 8
+    max_rollout_turns: int = 1
+    max_num_epochs: int = 1000
+    max_num_steps: int = 400
+    normalize_rewards: bool = True  # divide advantages by the group's reward std
+    use_leave_one_out_baseline: bool = False
+    val_period: int = 50  # 0 disables periodic validation
+    val_at_start: bool = True
+    val_at_end: bool = True
+    val_batch_size: int = 100  # prompts per validation generation call
+    max_val_samples: int = 100
+    seed: int = 42
+    overlong_filtering: bool = False  # truncated samples (no EOS) are excluded from the loss
+    use_dynamic_sampling: bool = False  # DAPO: keep only groups whose rewards differ
+    dynamic_sampling_max_gen_batches: int = 10
+    batch_multiplier: float = 1.0  # prompts drawn per generation batch under dynamic sampling
+    reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig)
+
+
+# ----------------------------------------------------------------------------------------------- env / data
+@dataclass
+class MathEnvConfig:
+    num_workers: int = 2  # verifier processes
+    timeout_s: float = 5.0  # per-sample parsing / verification budget
+    max_answer_chars: int = 2048  # only the tail of a response is parsed
+
+
+@dataclass
+class EnvConfig:
+    math: Optional[MathEnvConfig] = field(default_factory=MathEnvConfig)
+
+
+@dataclass
+class DatasetConfig:
+    # a built-in name (addition), a local .jsonl file, or a Hugging Face dataset name
+    dataset_name: str = "addition"
+    data_path: Optional[str] = None  # JSONL path (or HF name) for dataset_name=ResponseDataset
+    input_key: str = "input"
+    output_key: str = "output"
+    subset: Optional[str] = None  # HF datasets only
+    split: str = "train"
+    prompt_file: Optional[str] = None  # a Python format string with {} for the problem text
+    system_prompt_file: Optional[str] = None
+    env_name: str = "math"
+
+
+@dataclass
+class DataConfig:
+    max_input_seq_length: int = 8  # longer prompts are dropped (counted in the log)
+    shuffle: bool = True
+    train: DatasetConfig = field(default_factory=DatasetConfig)
+    validation: Optional[DatasetConfig] = field(default_factory=DatasetConfig)
+
+
+# ----------------------------------------------------------------------------------------------- run
+@dataclass
+class ClusterConfig:
+    gpus_per_node: int = 2  # on a CPU-only machine: worker processes standing in for devices
+    num_nodes: int = 1
+    num_threads_per_worker: int = 1  # torch threads in each actor (pinned: busy processes collide otherwise)
+
+
+@dataclass
+class CheckpointingConfig:
+    enabled: bool = True
+    checkpoint_dir: str = "results/grpo_tiny"
+    metric_name: Optional[str] = "val:accuracy"  # ranks checkpoints for keep_top_k; null keeps the newest
+    higher_is_better: bool = True
+    keep_top_k: Optional[int] = 3
+    save_period: int = 100
+    resume: bool = True  # continue from the latest checkpoint in checkpoint_dir if there is one
+
+
+@dataclass
+class WandbConfig:
+    project: str = "nemo-grpo"
+    name: Optional[str] = None
+
+
+@dataclass
+class MLflowConfig:
+    experiment_name: str = "nemo-grpo"
+    run_name: Optional[str] = None
+    tracking_uri: Optional[str] = None
+
+
+@dataclass
+class LoggerConfig:
+    log_dir: str = "logs/grpo_tiny"
+    tensorboard_enabled: bool = True
+    wandb_enabled: bool = False
+    mlflow_enabled: bool = False
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
+    progress_bar: bool = True
+    plot: bool = True  # PNG of reward and validation accuracy per step, next to the logs
+    num_val_samples_to_print: int = 0
+
+
+@dataclass
+class MasterConfig:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    loss_fn: LossConfig = field(default_factory=LossConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+TOP_LEVEL_SECTIONS = {
+    "policy": "model, back end (policy.backend), batch sizes, optimizer, parallelism, generation engine",
+    "loss_fn": "clipped policy-gradient loss: clipping, KL to the reference, importance sampling",
+    "grpo": "steps, group size, advantages, dynamic sampling, reward scaling, validation",
+    "env": "environments by name (env.math.*)",
+    "data": "datasets (built-in, JSONL, HF), prompt length limit",
+    "cluster": "devices per node, nodes, threads per worker",
+    "checkpointing": "where and how often to save, top-k retention, resume",
+    "logger": "TensorBoard / W&B / MLflow, progress bar, plots",
+}
+
+
+# ----------------------------------------------------------------------------------------------- loading
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: file not found: {path}")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of sections, got {type(data).__name__}")
+    parent = data.pop("defaults", None)  # a recipe may inherit from another recipe file
+    if parent:
+        base = _read_yaml(os.path.join(os.path.dirname(path), parent))
+        return OmegaConf.to_container(OmegaConf.merge(base, data))
+    return data
+
+
+def _explain(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None) or "?"
+    msg = str(e).split("\n")[0]
+    return f"config key '{key}': {msg}"
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> MasterConfig:
+    """YAML recipe (optional) + dotted overrides -> validated MasterConfig."""
+    schema = OmegaConf.structured(MasterConfig)
+    try:
+        merged = schema
+        if path:
+            merged = OmegaConf.merge(merged, _read_yaml(path))
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError(f"override '{item}' must look like key.sub=value")
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        cfg: MasterConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise ConfigError(_explain(e)) from None
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: MasterConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
+
+
+def to_yaml(cfg: MasterConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+# ----------------------------------------------------------------------------------------------- validation
+def _need(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}': {msg}")
+
+
+def _choice(value: Any, key: str, allowed) -> None:
+    _need(value in allowed, key, f"got {value!r}; allowed: {', '.join(map(str, allowed))}")
+
+
+def world_size(cfg: MasterConfig) -> int:
+    return cfg.cluster.gpus_per_node * cfg.cluster.num_nodes
+
+
+def validate(cfg: MasterConfig) -> None:
+    """Cross-field checks; raises ConfigError naming the key. Runs before anything is built."""
+    _validate_policy(cfg)
+    _validate_parallel(cfg)
+    _validate_batches(cfg)
+    _validate_loss(cfg.loss_fn)
+    _validate_grpo(cfg)
+    _validate_data_env(cfg)
+
+
+def _validate_policy(cfg: MasterConfig) -> None:
+    from nemo_grpo.backends import BACKENDS
+
+    p = cfg.policy
+    _choice(p.backend, "policy.backend", sorted(BACKENDS))
+    _choice(p.precision, "policy.precision", ["float32", "bfloat16"])
+    _choice(p.optimizer.name, "policy.optimizer.name", ["adamw", "sgd"])
+    _need(p.optimizer.lr > 0, "policy.optimizer.lr", f"must be > 0, got {p.optimizer.lr}")
+    _need(p.max_grad_norm is None or p.max_grad_norm > 0, "policy.max_grad_norm", "must be > 0 or null")
+    if not p.model_name.startswith(BUILTIN_MODEL_PREFIX):
+        _need(os.path.isdir(p.model_name), "policy.model_name",
+              f"'{p.model_name}' is not a local directory (a Hugging Face model directory or builtin:tiny-addition)")
+    g = p.generation
+    _choice(g.backend, "policy.generation.backend", ["torch", "vllm"])
+    _need(g.temperature > 0, "policy.generation.temperature", f"must be > 0, got {g.temperature}")
+    _need(0 < g.top_p <= 1, "policy.generation.top_p", f"must be in (0, 1], got {g.top_p}")
+    _need(g.top_k is None or g.top_k > 0, "policy.generation.top_k", "must be > 0 or null")
+    _need(g.max_new_tokens > 0, "policy.generation.max_new_tokens", "must be > 0")
+    _need(g.refit_bucket_size_mb > 0, "policy.generation.refit_bucket_size_mb", "must be > 0")
+    total = cfg.data.max_input_seq_length + g.max_new_tokens * cfg.grpo.max_rollout_turns
+    _need(total <= p.max_total_sequence_length, "policy.max_total_sequence_length",
+          f"{p.max_total_sequence_length} < data.max_input_seq_length ({cfg.data.max_input_seq_length}) + "
+          f"policy.generation.max_new_tokens ({g.max_new_tokens}) x grpo.max_rollout_turns "
+          f"({cfg.grpo.max_rollout_turns}) = {total}")
+
+
+def _validate_parallel(cfg: MasterConfig) -> None:
+    c, d = cfg.cluster, cfg.policy.dtensor_cfg
+    _need(c.gpus_per_node > 0, "cluster.gpus_per_node", "must be > 0")
+    _need(c.num_nodes > 0, "cluster.num_nodes", "must be > 0")
+    _need(c.num_threads_per_worker > 0, "cluster.num_threads_per_worker", "must be > 0")
+    world = world_size(cfg)
+    tp = d.tensor_parallel_size
+    _need(tp > 0, "policy.dtensor_cfg.tensor_parallel_size", "must be > 0")
+    _need(world % tp == 0, "policy.dtensor_cfg.tensor_parallel_size",
+          f"world size {world} (cluster.gpus_per_node {c.gpus_per_node} x cluster.num_nodes {c.num_nodes}) "
+          f"is not divisible by tensor_parallel_size {tp}")
+    if d.data_parallel_size is not None:
+        _need(d.data_parallel_size * tp == world, "policy.dtensor_cfg.data_parallel_size",
+              f"data_parallel_size {d.data_parallel_size} x tensor_parallel_size {tp} = "
+              f"{d.data_parallel_size * tp} != world size {world} "
+              f"(cluster.gpus_per_node {c.gpus_per_node} x cluster.num_nodes {c.num_nodes})")
+
+
+def data_parallel_size(cfg: MasterConfig) -> int:
+    return world_size(cfg) // cfg.policy.dtensor_cfg.tensor_parallel_size
+
+
+def _validate_batches(cfg: MasterConfig) -> None:
+    p, g = cfg.policy, cfg.grpo
+    dp = data_parallel_size(cfg)
+    rollout = g.num_prompts_per_step * g.num_generations_per_prompt
+    _need(p.train_global_batch_size > 0 and p.train_micro_batch_size > 0 and p.logprob_batch_size > 0,
+          "policy.train_global_batch_size", "batch sizes must be > 0")
+    _need(rollout % p.train_global_batch_size == 0, "policy.train_global_batch_size",
+          f"{p.train_global_batch_size} does not divide the rollout batch grpo.num_prompts_per_step "
+          f"({g.num_prompts_per_step}) x grpo.num_generations_per_prompt ({g.num_generations_per_prompt}) = {rollout}")
+    per_rank = p.train_global_batch_size // dp
+    _need(p.train_global_batch_size % dp == 0, "policy.train_global_batch_size",
+          f"{p.train_global_batch_size} is not divisible by the data-parallel size {dp}")
+    _need(per_rank % p.train_micro_batch_size == 0, "policy.train_micro_batch_size",
+          f"{p.train_micro_batch_size} does not divide the per-rank batch train_global_batch_size / "
+          f"data-parallel size = {p.train_global_batch_size} / {dp} = {per_rank}")
+
+
+def _validate_loss(l: LossConfig) -> None:
+    _choice(l.reference_policy_kl_type, "loss_fn.reference_policy_kl_type", ["k1", "k2", "k3"])
+    _need(l.reference_policy_kl_penalty >= 0, "loss_fn.reference_policy_kl_penalty", "must be >= 0")
+    _need(0 <= l.ratio_clip_min < 1, "loss_fn.ratio_clip_min", f"must be in [0, 1), got {l.ratio_clip_min}")
+    _need(l.ratio_clip_max >= 0, "loss_fn.ratio_clip_max", f"must be >= 0, got {l.ratio_clip_max}")
+    _need(l.ratio_clip_c is None or l.ratio_clip_c > 1, "loss_fn.ratio_clip_c",
+          f"dual-clip constant must be > 1 (usually 3) or null, got {l.ratio_clip_c}")
+    _need(l.truncated_importance_sampling_ratio is None or l.truncated_importance_sampling_ratio > 0,
+          "loss_fn.truncated_importance_sampling_ratio", "must be > 0 or null")
+
+
+def _validate_grpo(cfg: MasterConfig) -> None:
+    g = cfg.grpo
+    _need(g.num_prompts_per_step > 0, "grpo.num_prompts_per_step", "must be > 0")
+    _need(g.num_generations_per_prompt > 0, "grpo.num_generations_per_prompt", "must be > 0")
+    _need(not g.use_leave_one_out_baseline or g.num_generations_per_prompt >= 2, "grpo.use_leave_one_out_baseline",
+          "needs grpo.num_generations_per_prompt >= 2")
+    _need(g.max_num_steps > 0, "grpo.max_num_steps", "must be > 0")
+    _need(g.max_rollout_turns >= 1, "grpo.max_rollout_turns", "must be >= 1")
+    _need(g.val_period >= 0, "grpo.val_period", "must be >= 0 (0 disables)")
+    _need(g.dynamic_sampling_max_gen_batches >= 1, "grpo.dynamic_sampling_max_gen_batches", "must be >= 1")
+    _need(g.batch_multiplier >= 1, "grpo.batch_multiplier", "must be >= 1")
+    r = g.reward_scaling
+    _need(r.source_max > r.source_min, "grpo.reward_scaling.source_max", "must be > source_min")
+    ck = cfg.checkpointing
+    _need(ck.save_period > 0, "checkpointing.save_period", "must be > 0")
+    _need(ck.keep_top_k is None or ck.keep_top_k > 0, "checkpointing.keep_top_k", "must be > 0 or null")
+
+
+def _validate_data_env(cfg: MasterConfig) -> None:
+    from nemo_grpo.envs import ENVIRONMENTS
+
+    d = cfg.data
+    _need(d.max_input_seq_length > 0, "data.max_input_seq_length", "must be > 0")
+    for split in ("train", "validation"):
+        ds: Optional[DatasetConfig] = getattr(d, split)
+        if ds is None:
+            continue
+        _choice(ds.env_name, f"data.{split}.env_name", sorted(ENVIRONMENTS))
+        _need(getattr(cfg.env, ds.env_name, None) is not None, f"env.{ds.env_name}",
+              f"data.{split}.env_name is '{ds.env_name}' but env.{ds.env_name} is null")
+        for key in ("prompt_file", "system_prompt_file"):
+            path = getattr(ds, key)
+            _need(path is None or os.path.isfile(path), f"data.{split}.{key}", f"file not found: {path}")
+    if cfg.env.math is not None:
+        _need(cfg.env.math.num_workers > 0, "env.math.num_workers", "must be > 0")
+        _need(cfg.env.math.timeout_s > 0, "env.math.timeout_s", "must be > 0")

@@ -1,0 +1,74 @@
+"""Datasets: a built-in one for the default recipe, JSONL files, and Hugging Face datasets.
+
+Every loader returns a list of raw problems `{"problem": str, "answer": str}`; `prompts.py` turns them
+into tokenized prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from nemo_grpo.config import DatasetConfig
+
+
+class DataError(ValueError):
+    """A dataset problem; the message names the file, line or key."""
+
+
+def addition_problems() -> list[dict[str, str]]:
+    """All 100 single-digit additions "a+b=" with their sums: the default recipe's task."""
+    return [{"problem": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+
+
+BUILTIN_DATASETS = {"addition": addition_problems}
+
+
+def read_jsonl(path: str, input_key: str, output_key: str) -> list[dict[str, str]]:
+    """One JSON object per line; `input_key` holds the problem and `output_key` the reference answer."""
+    if not os.path.isfile(path):
+        raise DataError(f"dataset file not found: {path}")
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            for key, what in ((input_key, "input_key"), (output_key, "output_key")):
+                if not isinstance(row, dict) or key not in row:
+                    raise DataError(f"{path}:{lineno}: missing key '{key}' (data.*.{what}); "
+                                    f"keys present: {sorted(row) if isinstance(row, dict) else type(row).__name__}")
+            items.append({"problem": str(row[input_key]), "answer": str(row[output_key])})
+    if not items:
+        raise DataError(f"{path}: no rows")
+    return items
+
+
+def read_hf_dataset(name: str, subset: str | None, split: str, input_key: str, output_key: str):
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"data.*.data_path '{name}' names a Hugging Face dataset, which needs the datasets "
+                        "package: pip install 'nemo-grpo[datasets]'") from None
+    rows = datasets.load_dataset(name, subset, split=split)
+    missing = [k for k in (input_key, output_key) if k not in rows.column_names]
+    if missing:
+        raise DataError(f"dataset '{name}' has no column(s) {missing}; columns: {rows.column_names}")
+    return [{"problem": str(r[input_key]), "answer": str(r[output_key])} for r in rows]
+
+
+def load_problems(cfg: DatasetConfig) -> list[dict[str, str]]:
+    """Raw problems for one dataset config: built-in name, a .jsonl path, or a HF dataset name."""
+    if cfg.dataset_name in BUILTIN_DATASETS:
+        return BUILTIN_DATASETS[cfg.dataset_name]()
+    if cfg.dataset_name != "ResponseDataset":
+        raise DataError(f"data.*.dataset_name '{cfg.dataset_name}' is unknown; known: "
+                        f"{', '.join(sorted(BUILTIN_DATASETS))}, ResponseDataset (with data_path)")
+    if not cfg.data_path:
+        raise DataError("data.*.data_path is required with dataset_name ResponseDataset")
+    if cfg.data_path.endswith((".jsonl", ".json")) or os.path.exists(cfg.data_path):
+        return read_jsonl(cfg.data_path, cfg.input_key, cfg.output_key)
+    return read_hf_dataset(cfg.data_path, cfg.subset, cfg.split, cfg.input_key, cfg.output_key)

@@ -1,0 +1,26 @@
+"""Environments by name. `create_env(name, cfg)` starts the Ray actor for one."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> "module:Class"; the class is a plain Python class, started as a Ray actor by create_env
+ENVIRONMENTS = {
+    "math": "nemo_grpo.envs.math_env:MathEnvironment",
+}
+
+
+def environment_class(name: str):
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"unknown environment '{name}'; known: {', '.join(sorted(ENVIRONMENTS))}")
+    module, cls = ENVIRONMENTS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def create_env(name: str, cfg: Any, runtime_env: dict | None = None):
+    """Start environment `name` as a Ray actor with its config dataclass; returns the actor handle."""
+    import ray
+
+    cls = environment_class(name)
+    return ray.remote(cls).options(num_cpus=0, runtime_env=runtime_env or {}).remote(cfg)

@@ -1,0 +1,43 @@
+"""The generation engine contract: token ids in, sampled tokens and their log-probs out, weights refit in place."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+
+@dataclass
+class GenerationOutput:
+    """One sampled response: its tokens, the engine's log-prob of each, and why it stopped."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS, stop token or stop string) | "length" (max_new_tokens reached)
+
+
+class GenerationEngine(ABC):
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], *, greedy: bool = False, seed: Optional[int] = None,
+                 stop_strings: Optional[list[Optional[list[str]]]] = None,
+                 max_new_tokens: Optional[int] = None) -> list[GenerationOutput]:
+        """Sample one response per prompt (token-id lists). `seed` makes the sampling reproducible;
+        `stop_strings` (per prompt, or None) adds to the configured ones."""
+
+    @abstractmethod
+    def update_weights(self, buckets: Iterator[dict[str, torch.Tensor]]) -> None:
+        """Load Hugging-Face-named full tensors, bucket by bucket, into the running engine (no restart)."""
+
+    def shutdown(self) -> None:
+        """Free the engine's actors; safe twice."""
+
+
+def make_generation_engine(cfg, model_path: str, cluster_cfg) -> GenerationEngine:
+    """The engine named by policy.generation.backend."""
+    if cfg.backend == "torch":
+        from nemo_grpo.generation.torch_engine import TorchGeneration
+
+        return TorchGeneration(cfg, model_path, cluster_cfg)
+    raise ValueError(f"policy.generation.backend '{cfg.backend}' is not available; known: torch")

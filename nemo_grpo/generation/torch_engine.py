@@ -1,0 +1,125 @@
+"""The plain PyTorch generation engine: a Hugging Face model in a Ray actor with a KV-cache sampling loop.
+
+The fallback when vLLM is not installed, and fast enough for tiny models on a CPU. Sampling applies
+temperature, top-k and top-p; the reported log-prob of each sampled token is taken from the distribution it
+was sampled from (temperature-scaled and truncated), which is what the policy's log-probs are compared to.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+
+from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput
+
+
+def filter_logits(logits: torch.Tensor, top_k: Optional[int], top_p: float) -> torch.Tensor:
+    """[B, V] logits with everything outside the top-k / top-p nucleus set to -inf."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, -1)
+        outside = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
+    return logits
+
+
+class TorchGenerationWorker:
+    """Ray actor holding one HF causal LM; `generate` runs a batched, left-padded sampling loop."""
+
+    def __init__(self, model_path: str, cfg, num_threads: int = 1):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(num_threads)
+        self.cfg = cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.stop_ids = {self.tokenizer.eos_token_id, *(cfg.stop_token_ids or [])} - {None}
+
+    def load_weights(self, bucket: dict[str, torch.Tensor]) -> int:
+        """Copy HF-named tensors into the live parameters in place; returns how many were loaded."""
+        params = self.model.state_dict()
+        unknown = [k for k in bucket if k not in params]
+        if unknown:
+            raise KeyError(f"refit: the engine's model has no parameter(s) {unknown[:5]}")
+        with torch.no_grad():
+            for name, tensor in bucket.items():
+                params[name].copy_(tensor)
+        return len(bucket)
+
+    def _stopped_by_string(self, tokens: list[int], stops: list[str]) -> bool:
+        if not stops:
+            return False
+        longest = max(len(s) for s in stops)
+        tail = self.tokenizer.decode(tokens[-longest:], skip_special_tokens=False)
+        return any(s in tail for s in stops)
+
+    @torch.no_grad()
+    def generate(self, prompts, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
+        cfg = self.cfg
+        max_new = max_new_tokens or cfg.max_new_tokens
+        if seed is not None:
+            torch.manual_seed(seed)
+        stops = [list(cfg.stop_strings or []) + list((stop_strings or [None] * len(prompts))[i] or [])
+                 for i in range(len(prompts))]
+        B, P = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, P), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: the newest token of every row is in the last column
+            ids[i, P - len(p):] = torch.tensor(p)
+            mask[i, P - len(p):] = 1
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                         use_cache=True)
+        tokens, logprobs = [[] for _ in range(B)], [[] for _ in range(B)]
+        done = torch.zeros(B, dtype=torch.bool)
+        reasons = ["length"] * B
+        for step in range(max_new):
+            logits = out.logits[:, -1].float()
+            if not greedy:
+                logits = filter_logits(logits / cfg.temperature, cfg.top_k, cfg.top_p)
+            logp = torch.log_softmax(logits, -1)  # [B, V]
+            nxt = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1).squeeze(-1)
+            for i in torch.nonzero(~done).flatten().tolist():
+                tok = int(nxt[i])
+                tokens[i].append(tok)
+                logprobs[i].append(float(logp[i, tok]))
+                if tok in self.stop_ids or self._stopped_by_string(tokens[i], stops[i]):
+                    done[i], reasons[i] = True, "stop"
+            if bool(done.all()) or step == max_new - 1:
+                break
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
+            out = self.model(input_ids=nxt[:, None], attention_mask=mask, past_key_values=out.past_key_values,
+                             position_ids=(mask.sum(-1, keepdim=True) - 1), use_cache=True)
+        return [GenerationOutput(t, lp, r) for t, lp, r in zip(tokens, logprobs, reasons)]
+
+
+class TorchGeneration(GenerationEngine):
+    """Driver-side front of one TorchGenerationWorker actor."""
+
+    def __init__(self, cfg, model_path: str, cluster_cfg):
+        import ray
+
+        self.actor = ray.remote(TorchGenerationWorker).options(num_cpus=0).remote(
+            model_path, cfg, cluster_cfg.num_threads_per_worker)
+
+    def generate(self, prompts, *, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
+        import ray
+
+        return ray.get(self.actor.generate.remote(prompts, greedy, seed, stop_strings, max_new_tokens))
+
+    def update_weights(self, buckets: Iterator[dict[str, torch.Tensor]]) -> None:
+        import ray
+
+        pending = [self.actor.load_weights.remote(bucket) for bucket in buckets]  # streamed, loaded in order
+        ray.get(pending)
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.actor is not None:
+            ray.kill(self.actor)
+            self.actor = None

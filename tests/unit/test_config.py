@@ -1,0 +1,97 @@
+"""Config loading: defaults, YAML recipes, dotted overrides, and errors that name the offending key."""
+
+import os
+
+import pytest
+
+from nemo_grpo.config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_defaults_are_the_tiny_recipe():
+    cfg = load_config()
+    recipe = load_config(os.path.join(ROOT, "configs", "grpo_tiny_cpu.yaml"))
+    assert cfg == recipe
+    assert cfg.policy.backend == "dtensor" and cfg.cluster.gpus_per_node == 2
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(None, ["grpo.max_num_steps=7", "policy.optimizer.lr=1e-3",
+                             "policy.generation.stop_strings=[\"\\n\"]", "grpo.use_leave_one_out_baseline=true"])
+    assert cfg.grpo.max_num_steps == 7 and cfg.policy.optimizer.lr == 1e-3
+    assert cfg.policy.generation.stop_strings == ["\n"] and cfg.grpo.use_leave_one_out_baseline is True
+
+
+def test_recipe_inherits_from_defaults_file(tmp_path):
+    (tmp_path / "base.yaml").write_text("grpo:\n  max_num_steps: 11\n  seed: 3\n")
+    (tmp_path / "child.yaml").write_text("defaults: base.yaml\ngrpo:\n  seed: 5\n")
+    cfg = load_config(str(tmp_path / "child.yaml"))
+    assert (cfg.grpo.max_num_steps, cfg.grpo.seed) == (11, 5)
+
+
+BAD = [
+    (["grpo.num_prompt_per_step=4"], "grpo.num_prompt_per_step"),  # typo: unknown key
+    (["policy.optimizer.lr=fast"], "policy.optimizer.lr"),  # wrong type
+    (["policy.backend=jax"], "policy.backend"),
+    (["policy.train_global_batch_size=100"], "policy.train_global_batch_size"),  # does not divide 16 x 8
+    (["policy.train_micro_batch_size=48"], "policy.train_micro_batch_size"),  # does not divide 128 / 2
+    (["policy.dtensor_cfg.tensor_parallel_size=3"], "policy.dtensor_cfg.tensor_parallel_size"),  # world 2
+    (["policy.dtensor_cfg.data_parallel_size=2", "policy.dtensor_cfg.tensor_parallel_size=2"],
+     "policy.dtensor_cfg.data_parallel_size"),  # tp x dp != world size
+    (["loss_fn.reference_policy_kl_type=k4"], "loss_fn.reference_policy_kl_type"),
+    (["loss_fn.ratio_clip_c=0.5"], "loss_fn.ratio_clip_c"),
+    (["policy.generation.temperature=0"], "policy.generation.temperature"),
+    (["policy.generation.top_p=1.5"], "policy.generation.top_p"),
+    (["policy.max_total_sequence_length=10"], "policy.max_total_sequence_length"),  # < 8 prompt + 4 new
+    (["policy.model_name=/nonexistent/model"], "policy.model_name"),
+    (["data.train.env_name=chess"], "data.train.env_name"),
+    (["grpo.num_generations_per_prompt=1", "grpo.use_leave_one_out_baseline=true",
+      "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8"], "grpo.use_leave_one_out_baseline"),
+    (["policy.precision=fp8"], "policy.precision"),
+    (["data.train.prompt_file=/no/such/prompt.txt"], "data.train.prompt_file"),
+    (["env.math=null"], "env.math"),
+    (["cluster.gpus_per_node=0"], "cluster.gpus_per_node"),
+    (["grpo.max_num_steps"], "grpo.max_num_steps"),  # no '=': not an override
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD, ids=[k for _, k in BAD])
+def test_bad_config_names_the_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert key in str(e.value)
+
+
+def test_layout_error_shows_the_arithmetic():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["policy.dtensor_cfg.data_parallel_size=2", "policy.dtensor_cfg.tensor_parallel_size=2"])
+    assert "2 x tensor_parallel_size 2 = 4 != world size 2" in str(e.value)
+
+
+def test_missing_or_bad_yaml_file(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("trainer:\n  epochs: 3\n")
+    with pytest.raises(ConfigError, match="trainer"):
+        load_config(str(unknown))
+
+
+def test_every_recipe_validates():
+    names = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".yaml"))
+    assert names
+    for name in names:
+        load_config(os.path.join(ROOT, "configs", name))
+
+
+def test_cli_reports_config_error_without_traceback(capsys):
+    from nemo_grpo.train import main
+
+    assert main(["policy.optimizer.lr=fast"]) == 2
+    err = capsys.readouterr().err
+    assert "policy.optimizer.lr" in err and "Traceback" not in err
