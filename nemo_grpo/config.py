@@ -389,6 +389,8 @@ def _validate_loss(l: LossConfig) -> None:
           f"dual-clip constant must be > 1 (usually 3) or null, got {l.ratio_clip_c}")
     _need(l.truncated_importance_sampling_ratio is None or l.truncated_importance_sampling_ratio > 0,
           "loss_fn.truncated_importance_sampling_ratio", "must be > 0 or null")
+    _need(l.truncated_importance_sampling_ratio is None or l.use_importance_sampling_correction,
+          "loss_fn.truncated_importance_sampling_ratio", "needs loss_fn.use_importance_sampling_correction=true")
 
 
 def _validate_grpo(cfg: MasterConfig) -> None:

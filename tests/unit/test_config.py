@@ -49,6 +49,7 @@ BAD = [
     (["grpo.num_generations_per_prompt=1", "grpo.use_leave_one_out_baseline=true",
       "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8"], "grpo.use_leave_one_out_baseline"),
     (["policy.precision=fp8"], "policy.precision"),
+    (["loss_fn.truncated_importance_sampling_ratio=2.0"], "loss_fn.truncated_importance_sampling_ratio"),
     (["data.train.prompt_file=/no/such/prompt.txt"], "data.train.prompt_file"),
     (["env.math=null"], "env.math"),
     (["cluster.gpus_per_node=0"], "cluster.gpus_per_node"),
