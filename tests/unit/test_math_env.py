@@ -1,0 +1,239 @@
+"""Math environment: equivalence, bounded scoring of adversarial output, the Ray actor end to end."""
+
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from nemo_grpo.config import MathEnvConfig
+from nemo_grpo.envs.math_env import MathEnvironment, VerifierWorker, _chunks, verify_answer
+
+TIMEOUT_S = 1.0
+SLACK_S = 3.0  # correctness bound on the wall time of one call, not a benchmark
+MB = 1 << 20
+
+
+def score(response, gold, timeout_s=TIMEOUT_S, max_answer_chars=2048):
+    return verify_answer(response, gold, timeout_s, max_answer_chars)
+
+
+def random_text(n: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return "".join(map(chr, rng.choices(range(32, 0x3000), k=n)))
+
+
+def binary_junk(n: int, seed: int = 0) -> str:
+    return random.Random(seed).randbytes(n).decode("utf-8", errors="replace") + "\x00" * 64
+
+
+# ------------------------------------------------------------------------------------------ verify_answer
+@pytest.mark.parametrize("gold,response", [
+    ("8", "8"),
+    ("8", "3 + 5 = 8"),
+    ("8", "The answer is \\boxed{8}."),
+    ("0.5", "\\boxed{\\frac{1}{2}}"),
+    ("0.5", "The answer is $\\boxed{1/2}$"),
+    ("$\\frac{1}{2}$", "$\\boxed{0.5}$"),
+    ("\\frac{1}{2}", "\\boxed{0.5}"),  # bare LaTeX gold
+    ("2", "$x=2$"),
+    ("$\\sqrt{2}$", "\\boxed{2^{1/2}}"),
+    ("$(1,2)$", "\\boxed{(1, 2)}"),
+    ("(1,2)", "so the point is $(1, 2)$"),  # bare tuple gold
+])
+def test_equivalent_forms_score_one(gold, response):
+    assert score(response, gold)[0] == 1.0
+
+
+@pytest.mark.parametrize("gold,response", [
+    ("8", "9"),
+    ("8", ""),
+    ("2", "\\boxed{3}"),
+    ("42", "no answer"),
+    ("$(1,2)$", "\\boxed{(2, 1)}"),
+    ("0.5", "\\boxed{\\frac{1}{3}}"),
+    ("8", "8 then 9"),  # the last answer counts
+])
+def test_wrong_forms_score_zero(gold, response):
+    assert score(response, gold)[0] == 0.0
+
+
+def test_extracted_answer_is_reported():
+    assert score("so \\boxed{8}", "8") == (1.0, "8")
+    assert score("\\boxed{9}", "8") == (0.0, "9")
+    assert score("no digits here", "8") == (0.0, None)
+
+
+def test_only_the_tail_is_parsed():
+    response = "\\boxed{8}" + " filler" * 20  # 149 chars; the answer sits in the first 9
+    assert score(response, "8", max_answer_chars=len(response))[0] == 1.0
+    assert score(response, "8", max_answer_chars=len(response) - 9)[0] == 0.0
+    assert score("8", "8", max_answer_chars=0)[0] == 0.0
+
+
+PATHOLOGICAL = {  # name -> builder, so that parametrizing builds none of the 1 MB strings
+    "nested_frac": lambda: "\\frac{" * 5000,
+    "nested_braces": lambda: "\\boxed{" + "{" * 100_000 + "8" + "}" * 100_000,
+    "nested_sqrt": lambda: "$" + "\\sqrt{" * 3000 + "2" + "}" * 3000 + "$",
+    "random_1mb": lambda: random_text(MB),
+    "random_1mb_wrong_answer": lambda: random_text(MB, seed=1) + " The answer is \\boxed{9}",
+    "binary_junk": lambda: binary_junk(64 * 1024),
+    "nul_bytes": lambda: "\x00" * MB,
+    "lone_surrogates": lambda: "\ud800\udfff" * 1000,
+    "empty": lambda: "",
+    "none": lambda: None,
+    "bytes": lambda: b"\xff\xfe8\x00",
+    "not_a_string": lambda: 12345,
+    "huge_power": lambda: "\\boxed{9^{9^{9^{9}}}}",  # sympy would compute for minutes: the alarm must stop it
+    "huge_factorial": lambda: "\\boxed{(10^{1000000})!}",
+}
+
+
+@pytest.mark.parametrize("name", list(PATHOLOGICAL))
+def test_pathological_inputs_score_zero_in_time(name):
+    response = PATHOLOGICAL[name]()
+    start = time.monotonic()
+    reward, _ = score(response, "8")
+    elapsed = time.monotonic() - start
+    assert reward == 0.0
+    assert elapsed < TIMEOUT_S + SLACK_S, f"{name} took {elapsed:.1f} s"
+
+
+def test_the_alarm_interrupts_a_slow_sample_and_is_disarmed_after():
+    before = signal.getsignal(signal.SIGALRM)
+    start = time.monotonic()
+    assert score("\\boxed{9^{9^{9^{9}}}}", "8", timeout_s=0.3)[0] == 0.0
+    assert time.monotonic() - start < 0.3 + SLACK_S
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGALRM) is before
+    assert score("8", "8")[0] == 1.0  # and scoring still works after a timeout
+
+
+def test_huge_input_with_the_right_answer_at_the_end_scores_one():
+    assert score(random_text(MB, seed=2) + " so \\boxed{8}", "8")[0] == 1.0
+
+
+def test_refuses_to_run_off_the_main_thread():
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(_raises(lambda: score("8", "8"))))
+    thread.start()
+    thread.join()
+    assert isinstance(errors[0], RuntimeError) and "main thread" in str(errors[0])
+
+
+def _raises(fn):
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001
+        return e
+    return None
+
+
+# ------------------------------------------------------------------------------------------ the Ray actor
+@pytest.mark.parametrize("n_items,n_workers", [(0, 2), (1, 3), (4, 3), (7, 2), (128, 2)])
+def test_chunks_are_contiguous_and_balanced(n_items, n_workers):
+    chunks = _chunks(list(range(n_items)), n_workers)
+    assert len(chunks) == n_workers
+    assert sum(chunks, []) == list(range(n_items))
+    assert max(map(len, chunks)) - min(map(len, chunks)) <= 1
+
+
+def _logs(responses):
+    return [[{"role": "user", "content": "q"}, {"role": "assistant", "content": r}] for r in responses]
+
+
+def test_actor_end_to_end(ray_cluster):
+    """One actor (starting one costs seconds): a mixed batch, a second batch, metrics, shutdown twice."""
+    import ray
+
+    from nemo_grpo.envs import create_env
+
+    env = create_env("math", MathEnvConfig(num_workers=2, timeout_s=TIMEOUT_S))
+    _check_mixed_batch(env)
+    ret = ray.get(env.step.remote(_logs(["7", "\\boxed{7}", "6"]), [{"ground_truth": "7"}] * 3))
+    assert ret.rewards.tolist() == [1.0, 1.0, 0.0]
+    assert ray.get(env.step.remote([], [])).rewards.shape == (0,)
+    _check_metrics(env)
+    ray.get(env.shutdown.remote())
+    ray.get(env.shutdown.remote())
+    with pytest.raises(ray.exceptions.RayTaskError, match="after shutdown"):
+        ray.get(env.step.remote(_logs(["8"]), [{"ground_truth": "8"}]))
+    ray.kill(env)
+
+
+def _check_mixed_batch(env):
+    import ray
+
+    cases = [  # (response, gold, reward)
+        ("8", "8", 1.0), ("9", "8", 0.0), ("\\boxed{\\frac{1}{2}}", "0.5", 1.0), ("\\frac{" * 5000, "8", 0.0),
+        (random_text(MB), "8", 0.0), (None, "8", 0.0), ("\\boxed{9^{9^{9^{9}}}}", "8", 0.0), ("$x=2$", "2", 1.0),
+        (binary_junk(4096), "8", 0.0), (random_text(MB) + " \\boxed{8}", "8", 1.0),
+    ]
+    infos = [{"ground_truth": g, "id": i} for i, (_, g, _) in enumerate(cases)]
+    ret = ray.get(env.step.remote(_logs([r for r, _, _ in cases]), infos))
+    assert ret.rewards.dtype == torch.float32
+    assert ret.rewards.tolist() == [w for _, _, w in cases]
+    assert ret.terminateds.dtype == torch.bool and ret.terminateds.all() and len(ret.terminateds) == len(cases)
+    assert [o["content"] for o in ret.observations] == [
+        "Environment: correct" if w else "Environment: incorrect" for _, _, w in cases]
+    assert {o["role"] for o in ret.observations} == {"environment"}
+    assert ret.metadata == infos and ret.next_stop_strings == [None] * len(cases)
+    assert ret.answers[:3] == ["8", "9", "\\frac{1}{2}"]
+
+
+def _check_metrics(env):
+    import ray
+
+    batch = {  # 3 prompts x 2 samples: prompt 0 one right, prompt 1 none, prompt 2 both
+        "rewards": torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 1.0]),
+        "text": ["a"] * 6,
+        "num_generations_per_prompt": 2,
+        "response_lengths": torch.tensor([1, 2, 3, 4, 5, 9]),
+        "prompt_lengths": torch.tensor([5] * 6),
+        "truncated": torch.tensor([False, False, True, False, False, False]),
+    }
+    out, metrics = ray.get(env.global_post_process_and_metrics.remote(batch))
+    assert metrics == {
+        "math/accuracy": 0.5,
+        "math/pass@2": pytest.approx(2 / 3),
+        "math/fraction_of_samples_properly_ended": pytest.approx(5 / 6),
+        "math/mean_response_length": 4.0,
+        "math/num_samples": 6.0,
+    }
+    assert torch.equal(out["rewards"], batch["rewards"])
+    _, metrics = ray.get(env.global_post_process_and_metrics.remote({**batch, "num_generations_per_prompt": 3}))
+    assert metrics["math/pass@3"] == 1.0  # groups [0,1,0], [0,1,1]
+    with pytest.raises(ray.exceptions.RayTaskError, match="num_generations_per_prompt"):
+        ray.get(env.global_post_process_and_metrics.remote({**batch, "num_generations_per_prompt": 4}))
+
+
+def test_a_hung_or_dead_worker_is_restarted_and_its_chunk_scores_zero(ray_cluster):
+    import os
+
+    import ray
+
+    class FaultyVerifier(VerifierWorker):
+        def score(self, pairs):
+            if any(gold == "hang" for _, gold in pairs):
+                time.sleep(3600)  # outside the per-sample alarm, like a long call into C
+            if any(gold == "die" for _, gold in pairs):
+                os._exit(1)
+            return super().score(pairs)
+
+    class FaultyEnv(MathEnvironment):
+        worker_cls = FaultyVerifier
+        safety_slack_s = 1.0
+
+    env = ray.remote(FaultyEnv).options(num_cpus=0).remote(MathEnvConfig(num_workers=3, timeout_s=0.5))
+    golds = ["hang", "8", "die", "8"]  # chunks: [hang, 8] [die] [8] on workers 0, 1, 2
+    start = time.monotonic()
+    ret = ray.get(env.step.remote(_logs(["8"] * 4), [{"ground_truth": g} for g in golds]))
+    assert ret.rewards.tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert ret.answers == [None, None, None, "8"]
+    assert time.monotonic() - start < 60
+    ret = ray.get(env.step.remote(_logs(["8", "9", "8"]), [{"ground_truth": "8"}] * 3))
+    assert ret.rewards.tolist() == [1.0, 0.0, 1.0]  # the restarted workers serve
+    ray.get(env.shutdown.remote())
+    ray.kill(env)
