@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,8 +40,14 @@ class GenerationEngine(ABC):
 
 def make_generation_engine(cfg, model_path: str, cluster_cfg) -> GenerationEngine:
     """The engine named by policy.generation.backend."""
-    if cfg.backend == "torch":
-        from nemo_grpo.generation.torch_engine import TorchGeneration
+    if cfg.backend == "vllm":
+        from nemo_grpo.generation.vllm_engine import VllmGeneration, vllm_available
 
-        return TorchGeneration(cfg, model_path, cluster_cfg)
-    raise ValueError(f"policy.generation.backend '{cfg.backend}' is not available; known: torch")
+        if vllm_available():
+            return VllmGeneration(cfg, model_path, cluster_cfg)
+        log.warning("policy.generation.backend=vllm but vllm is not installed: using the torch engine")
+    elif cfg.backend != "torch":
+        raise ValueError(f"policy.generation.backend '{cfg.backend}' is not available; known: torch, vllm")
+    from nemo_grpo.generation.torch_engine import TorchGeneration
+
+    return TorchGeneration(cfg, model_path, cluster_cfg)
