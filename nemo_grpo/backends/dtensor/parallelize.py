@@ -1,0 +1,149 @@
+"""FSDP2 + tensor parallelism for Hugging Face decoder models (Llama, Qwen2, Qwen3), and DTensor-aware grad helpers.
+
+Layout: a 2-D device mesh (dp, tp), tp innermost (rank = dp_rank * tp + tp_rank).
+- TP (`parallelize_module` over the tp axis): q/k/v/gate/up ColwiseParallel (output features split), o/down
+  RowwiseParallel (input features split, output all-reduced). Attention then runs on the local heads.
+  The embedding, the final norm and lm_head / the score head stay replicated over tp: every TP rank computes
+  the full-vocabulary logits (simple, exact; a vocab-parallel lm_head is future work).
+- FSDP2 (`fully_shard` over the dp axis) on every decoder layer, then on the root, always, also when dp == 1
+  (then it only turns the remaining parameters into DTensors, so every parameter is one kind of tensor).
+- Gradient reduction over dp is a SUM (divide factor 1): the loss contract already normalizes by global counts.
+- Qwen3's q_norm / k_norm (per-head RMSNorm weights, replicated over tp) see only the local heads under TP:
+  their gradients are partial sums and are all-reduced over the tp group after backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROWWISE = ("o_proj", "down_proj")
+LOCAL_HEAD_NORMS = ("q_norm", "k_norm")  # Qwen3: RMSNorm over head_dim applied per (local) head
+
+
+def build_mesh(device_type: str, dp: int, tp: int) -> DeviceMesh:
+    """The (dp, tp) mesh over all ranks, tp innermost."""
+    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder-layer list of an HF model (causal LM or sequence classifier): base_model.layers."""
+    layers = getattr(model.base_model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: no decoder layers at base_model.layers; the dtensor back end "
+                         "supports Llama / Qwen2 / Qwen3-style models")
+    return layers
+
+
+def check_tp_divisible(config, tp: int) -> None:
+    """Heads, KV heads and the MLP width must split evenly over tp; the message names the offending size."""
+    sizes = {"num_attention_heads": config.num_attention_heads,
+             "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+             "intermediate_size": config.intermediate_size}
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        raise ValueError(f"policy.dtensor_cfg.tensor_parallel_size={tp} does not divide the model's "
+                         + ", ".join(f"{k}={v}" for k, v in bad.items()))
+
+
+def tp_plan(model: nn.Module) -> dict:
+    """module name -> ParallelStyle for the projections of every decoder layer."""
+    plan = {}
+    prefix = model.base_model_prefix
+    for i, layer in enumerate(decoder_layers(model)):
+        for name, _ in layer.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in COLWISE:
+                plan[f"{prefix}.layers.{i}.{name}"] = ColwiseParallel()
+            elif leaf in ROWWISE:
+                plan[f"{prefix}.layers.{i}.{name}"] = RowwiseParallel()
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    check_tp_divisible(model.config, tp_mesh.size())
+    parallelize_module(model, tp_mesh, tp_plan(model))
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: Optional[torch.dtype] = None) -> None:
+    """fully_shard every decoder layer, then the root; fp32 master weights, params cast to param_dtype in compute.
+
+    Parameters are resharded after every forward (also the root's), so in-place writes to the sharded
+    parameters (reference swaps, checkpoint loads) are always seen by the next forward.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
+    for module in model.modules():  # gradients are summed over dp, not averaged (losses use global counts)
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0)
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def local_head_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters whose gradient is partial under TP (Qwen3 q_norm / k_norm weights)."""
+    return [p for n, p in model.named_parameters() if n.rsplit(".", 2)[-2] in LOCAL_HEAD_NORMS]
+
+
+def all_reduce_grads(params: Iterable[nn.Parameter], group) -> None:
+    """Sum the local gradient shards of `params` over `group` (in place)."""
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(g, group=group)
+
+
+def _reduction_groups(t: torch.Tensor) -> tuple:
+    """Process groups over which the local pieces of `t` must be summed (its sharded / partial mesh dims)."""
+    if not isinstance(t, DTensor):
+        return ()
+    mesh = t.device_mesh
+    return tuple(mesh.get_group(i) for i, pl in enumerate(t.placements) if pl.is_shard() or pl.is_partial())
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: Optional[float]) -> float:
+    """Global L2 norm of all gradients (DTensor on any mesh, or plain), then scale them by
+    min(1, max_norm / (norm + 1e-6)) like torch.nn.utils.clip_grad_norm_ when max_norm is set.
+
+    Local squared sums are grouped by the process groups they must be summed over: one all-reduce per group.
+    Returns the pre-clip norm (same on every rank).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    sums: dict[tuple, torch.Tensor] = {}
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        key = _reduction_groups(g)
+        sq = local.detach().float().pow(2).sum()
+        sums[key] = sums[key] + sq if key in sums else sq
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    for groups, sq in sums.items():  # same keys in the same order on every rank (same model structure)
+        for group in groups:
+            dist.all_reduce(sq, group=group)
+        total = total + sq.to(total.device)
+    norm = float(total.sqrt())
+    if max_norm is not None and math.isfinite(norm):
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+    return norm
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Collective for DTensors: the whole tensor (plain tensors are returned as they are)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -1,0 +1,173 @@
+"""A generic SPMD group of Ray actors: one actor per device, together one `torch.distributed` world.
+
+Used by the Policy front (any back end) and meant for generation engines and the Megatron back end too.
+The group reserves one placement-group bundle per rank (`{"CPU": 1}` on a CPU cluster, `{"GPU": 1, "CPU": 1}`
+where Ray has GPUs), asks the node of bundle 0 for a free port, and starts `worker_cls` in every bundle with
+the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the
+worker's constructor joins the process group with `init_torch_distributed()`, as under torchrun.
+
+    group = WorkerGroup(MyWorker, cluster_cfg, name="policy", kwargs={...})
+    group.run_all("method", arg)              # same call on every rank -> list of results, by rank
+    group.run_each("method", [(a0,), (a1,)])   # per-rank arguments -> list of ObjectRefs
+    group.shutdown()                           # kills the actors, frees the bundles; safe twice
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from typing import Any, Optional, Sequence
+
+import torch
+
+from nemo_grpo.distributed.cluster import WORKER_ENV
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 120.0
+
+
+def _node_address_and_free_port() -> tuple[str, int]:
+    """(IP of this node, a TCP port free on it right now): run in bundle 0, i.e. on rank 0's node."""
+    import ray
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def pin_threads() -> int:
+    """Pin torch's intra-op threads to $OMP_NUM_THREADS (set per actor by WorkerGroup); returns the count."""
+    n = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    torch.set_num_threads(n)
+    return n
+
+
+def init_torch_distributed(timeout_s: float = 1800.0) -> torch.device:
+    """In a WorkerGroup actor (or under torchrun): pin threads, join the default process group, return the device.
+
+    NCCL when CUDA is available (Ray exposes one GPU per actor: cuda:0), else gloo on the CPU. Idempotent.
+    """
+    import torch.distributed as dist
+
+    pin_threads()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", init_method="env://",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
+class WorkerGroup:
+    """`world_size` Ray actors of `worker_cls`, one per bundle of a placement group, ranks 0..world_size-1.
+
+    cluster: ClusterConfig (gpus_per_node x num_nodes ranks; num_threads_per_worker torch threads each).
+    use_gpus: reserve a GPU per rank; None = when the Ray cluster has GPU resources.
+    env_vars: extra environment for every actor (on top of WORKER_ENV and the torchrun variables).
+    """
+
+    def __init__(self, worker_cls: type, cluster, *, name: str = "workers", args: Sequence[Any] = (),
+                 kwargs: Optional[dict[str, Any]] = None, use_gpus: Optional[bool] = None,
+                 env_vars: Optional[dict[str, str]] = None):
+        import ray
+
+        self.name = name
+        self.world_size = cluster.gpus_per_node * cluster.num_nodes
+        self.local_world_size = cluster.gpus_per_node
+        self.use_gpus = bool(ray.cluster_resources().get("GPU", 0)) if use_gpus is None else use_gpus
+        self.actors: list = []
+        self._pg = None
+        self._pg = self._reserve_bundles()
+        master_addr, master_port = self._master_address()
+        env = {**WORKER_ENV, **(env_vars or {}), "OMP_NUM_THREADS": str(cluster.num_threads_per_worker),
+               "MKL_NUM_THREADS": str(cluster.num_threads_per_worker)}
+        self.actors = [self._start_actor(worker_cls, rank, master_addr, master_port, env, args, kwargs or {})
+                       for rank in range(self.world_size)]
+        try:  # constructors run in parallel (they rendezvous in init_process_group); wait for all of them
+            ray.get([a.__ray_ready__.remote() for a in self.actors])
+        except Exception:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------------------------------ start-up
+    def _reserve_bundles(self):
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        bundle = {"CPU": 1.0, "GPU": 1.0} if self.use_gpus else {"CPU": 1.0}
+        pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK",
+                             name=f"{self.name}-pg-{os.getpid()}-{id(self)}")
+        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"{self.name}: could not reserve {self.world_size} bundles of {bundle} within "
+                f"{PLACEMENT_TIMEOUT_S:.0f}s; Ray has {ray.available_resources()} available of "
+                f"{ray.cluster_resources()} (cluster.gpus_per_node x cluster.num_nodes = {self.world_size})")
+        return pg
+
+    def _strategy(self, bundle_index: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=bundle_index,
+                                                placement_group_capture_child_tasks=True)
+
+    def _master_address(self) -> tuple[str, int]:
+        """Rank 0's node picks the port; loopback when the Ray cluster is this one node."""
+        import ray
+
+        probe = ray.remote(_node_address_and_free_port).options(num_cpus=0, scheduling_strategy=self._strategy(0))
+        ip, port = ray.get(probe.remote())
+        single_node = sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+        return ("127.0.0.1" if single_node else ip), port
+
+    def _start_actor(self, worker_cls, rank, master_addr, master_port, env, args, kwargs):
+        import ray
+
+        rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
+                    "LOCAL_RANK": str(rank % self.local_world_size), "LOCAL_WORLD_SIZE": str(self.local_world_size),
+                    "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+        options = dict(num_cpus=1, num_gpus=1 if self.use_gpus else 0, scheduling_strategy=self._strategy(rank),
+                       runtime_env={"env_vars": rank_env}, max_restarts=0)
+        return ray.remote(worker_cls).options(**options).remote(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ calls
+    def run_all_async(self, method: str, *args, **kwargs) -> list:
+        """Call `method(*args, **kwargs)` on every rank; ObjectRefs by rank (large args: pass ray.put refs)."""
+        return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+
+    def run_all(self, method: str, *args, **kwargs) -> list:
+        """Call `method` on every rank and wait: results by rank."""
+        import ray
+
+        return ray.get(self.run_all_async(method, *args, **kwargs))
+
+    def run_each(self, method: str, args_per_rank: Sequence[Sequence[Any]], **kwargs) -> list:
+        """Call `method(*args_per_rank[r], **kwargs)` on rank r; ObjectRefs by rank."""
+        if len(args_per_rank) != self.world_size:
+            raise ValueError(f"{self.name}: {len(args_per_rank)} argument tuples for {self.world_size} ranks")
+        return [getattr(a, method).remote(*rank_args, **kwargs) for a, rank_args in zip(self.actors, args_per_rank)]
+
+    def shutdown(self) -> None:
+        """Kill the actors and free the bundles; safe to call twice."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as e:  # already dead
+                log.debug("%s: kill failed: %s", self.name, e)
+        self.actors = []
+        if self._pg is not None:
+            try:
+                remove_placement_group(self._pg)
+            except Exception as e:
+                log.debug("%s: removing the placement group failed: %s", self.name, e)
+            self._pg = None

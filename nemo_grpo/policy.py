@@ -1,0 +1,208 @@
+"""`Policy`: the driver-side front of a policy (or reward model) run as one SPMD group of back-end workers.
+
+The front is thin: it splits a batch over the data-parallel ranks, sends every rank of a DP group the same
+rows, computes the global-batch normalizers for the loss, gathers results in order and aggregates metrics.
+Everything model-specific happens in the back end's `PolicyWorker` (nemo_grpo/backends/), picked by
+`policy.backend`; the data contract is documented in nemo_grpo/backends/base.py.
+
+    policy = Policy(cfg.policy, cfg.cluster, model_path, init_reference=True)
+    batch["prev_logprobs"] = policy.get_logprobs(batch)          # [B, T]
+    metrics = policy.train(batch, loss_fn)                        # one optimizer step per global batch
+    engine.update_weights(policy.export_weights(bucket_size_mb))  # HF-named full tensors, bucket by bucket
+    policy.shutdown()
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Iterator
+
+import torch
+
+from nemo_grpo.backends.base import batch_size_of, slice_batch, split_sizes
+
+TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
+
+
+def _check_keys(batch: dict[str, Any], keys, what: str) -> None:
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise KeyError(f"{what}: the batch lacks {missing} (has {sorted(batch)})")
+
+
+def _pad_rows(shard: dict[str, Any], rows: int, filler: dict[str, Any]) -> dict[str, Any]:
+    """Append copies of `filler`'s first row until the shard has `rows` rows (results of those are dropped)."""
+    n = batch_size_of(shard)
+    if n == rows:
+        return shard
+    return {k: torch.cat([shard[k]] + [filler[k][:1]] * (rows - n)) for k in shard}
+
+
+class Policy:
+    """A policy (or, with scalar_head=True, a reward model) on world_size = gpus_per_node x num_nodes workers.
+
+    cfg: PolicyConfig; cluster: ClusterConfig; model_path: a local Hugging Face directory (tokenizer inside).
+    init_reference: keep a CPU copy of the initial weights for get_reference_logprobs.
+    """
+
+    def __init__(self, cfg, cluster, model_path: str, *, scalar_head: bool = False, init_reference: bool = False,
+                 seed: int = 0, name: str = "policy"):
+        from nemo_grpo.backends import worker_class
+        from nemo_grpo.distributed.worker_group import WorkerGroup
+
+        self.cfg, self.name = cfg, name
+        self.scalar_head, self.init_reference = scalar_head, init_reference
+        self.world_size = cluster.gpus_per_node * cluster.num_nodes
+        cls = worker_class(cfg.backend)
+        cls.check_layout(cfg, self.world_size)  # a bad layout fails here, before any actor starts
+        t0 = time.perf_counter()
+        self.group = WorkerGroup(cls, cluster, name=name, kwargs=dict(
+            cfg=cfg, model_path=os.path.abspath(model_path), scalar_head=scalar_head,
+            init_reference=init_reference, seed=seed))
+        layouts = self.group.run_all("layout")
+        self.startup_s = time.perf_counter() - t0
+        self.dp_size = layouts[0]["dp_size"]
+        self._dp_rank_of = [lay["dp_rank"] for lay in layouts]  # by global rank
+        self._output_rank_of = {lay["dp_rank"]: r for r, lay in enumerate(layouts) if lay["output_rank"]}
+
+    # ------------------------------------------------------------------------------------------ dispatch
+    def _per_rank(self, shards: list[Any]) -> list[tuple]:
+        """One object-store copy per DP shard; every rank of a DP group gets the same reference."""
+        import ray
+
+        refs = [ray.put(s) for s in shards]
+        return [(refs[d],) for d in self._dp_rank_of]
+
+    def _gather(self, refs: list) -> list[Any]:
+        """Results of the output rank of each DP group, in DP order."""
+        import ray
+
+        results = ray.get(refs)
+        return [results[self._output_rank_of[d]] for d in range(self.dp_size)]
+
+    def _forward(self, method: str, batch: dict[str, Any]) -> torch.Tensor:
+        """Rows split over DP as evenly as possible (short shards padded so all ranks run the same number of
+        forwards); per-row results gathered back in order."""
+        _check_keys(batch, ("input_ids", "input_lengths"), method)
+        inputs = {"input_ids": batch["input_ids"], "input_lengths": batch["input_lengths"]}
+        n = batch_size_of(inputs)
+        if n == 0:
+            raise ValueError(f"{method}: empty batch")
+        sizes = split_sizes(n, self.dp_size)
+        starts = [sum(sizes[:d]) for d in range(self.dp_size)]
+        shards = [_pad_rows(slice_batch(inputs, s, s + k), max(sizes), inputs) for s, k in zip(starts, sizes)]
+        outs = self._gather(self.group.run_each(method, self._per_rank(shards)))
+        return torch.cat([out[:k] for out, k in zip(outs, sizes)])
+
+    # ------------------------------------------------------------------------------------------ inference
+    def _need_lm(self, what: str) -> None:
+        if self.scalar_head:
+            raise RuntimeError(f"{self.name}: {what} needs a causal LM; this policy has a scalar head (use score)")
+
+    def get_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
+        """input_ids [B, T], input_lengths [B] -> logprobs [B, T] (column 0 and padding are 0), no grad."""
+        self._need_lm("get_logprobs")
+        return self._forward("get_logprobs", batch)
+
+    def get_reference_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Like get_logprobs with the initial weights: [B, T]. Needs init_reference=True."""
+        if not self.init_reference:
+            raise RuntimeError(f"{self.name}: get_reference_logprobs needs Policy(..., init_reference=True)")
+        return self._forward("get_reference_logprobs", batch)
+
+    def score(self, batch: dict[str, Any]) -> torch.Tensor:
+        """input_ids [B, T], input_lengths [B] -> scalar-head output at the last real token, [B]."""
+        if not self.scalar_head:
+            raise RuntimeError(f"{self.name}: score needs a scalar head: Policy(..., scalar_head=True)")
+        return self._forward("score", batch)
+
+    # ------------------------------------------------------------------------------------------ training
+    def train(self, batch: dict[str, Any], loss_fn) -> dict[str, float]:
+        """One optimizer step per global batch of policy.train_global_batch_size rows (B must be a multiple).
+
+        loss_fn(logprobs [b, T], micro_batch, global_valid_seqs, global_valid_toks) -> (loss, metrics), the
+        normalizers counted over each global batch. Returns the loss-fn metrics (and "loss") summed over
+        micro-batches and DP ranks, averaged over the optimizer steps, plus "grad_norm" (pre-clip) and "lr".
+        """
+        self._need_lm("train")
+        _check_keys(batch, TRAIN_KEYS, "train")
+        n, gbs, dp = batch_size_of(batch), self.cfg.train_global_batch_size, self.dp_size
+        if n == 0 or n % gbs:
+            raise ValueError(f"train: batch size {n} is not a positive multiple of "
+                             f"policy.train_global_batch_size={gbs}")
+        if gbs % dp:
+            raise ValueError(f"train: policy.train_global_batch_size={gbs} is not divisible by the "
+                             f"data-parallel size {dp}")
+        per_dp: list[list[dict]] = [[] for _ in range(dp)]
+        for start in range(0, n, gbs):
+            gb = slice_batch(batch, start, start + gbs)
+            sample_mask = gb["sample_mask"].float()  # [gbs]
+            gvs = sample_mask.sum()
+            gvt = (gb["token_mask"].float() * sample_mask[:, None]).sum()
+            for d in range(dp):
+                shard = slice_batch(gb, d * gbs // dp, (d + 1) * gbs // dp)
+                per_dp[d].append({"data": shard, "global_valid_seqs": gvs, "global_valid_toks": gvt})
+        import ray
+
+        refs = self.group.run_each("train", self._per_rank(per_dp), loss_fn=ray.put(loss_fn))
+        by_rank = ray.get(refs)
+        return self._aggregate([by_rank[self._output_rank_of[d]] for d in range(dp)], by_rank[0])
+
+    @staticmethod
+    def _aggregate(per_dp: list[list[dict]], rank0: list[dict]) -> dict[str, float]:
+        """Loss metrics: sum over DP, mean over steps; grad_norm / lr: rank 0's, mean over steps."""
+        steps = len(rank0)
+        out: dict[str, float] = {}
+        for step in range(steps):
+            for rank_steps in per_dp:
+                for k, v in rank_steps[step].items():
+                    if k not in ("grad_norm", "lr"):
+                        out[k] = out.get(k, 0.0) + v / steps
+            for k in ("grad_norm", "lr"):
+                out[k] = out.get(k, 0.0) + rank0[step][k] / steps
+        return out
+
+    # ------------------------------------------------------------------------------------------ weights
+    def export_weights(self, bucket_size_mb: float) -> Iterator[dict[str, torch.Tensor]]:
+        """Full, HF-named CPU tensors (names exactly as the HF model's state_dict), in buckets of at most
+        ~bucket_size_mb (>= 1 tensor each). Each bucket is a collective on all ranks; the next one is
+        requested while the caller consumes the current one."""
+        import ray
+
+        count = self.group.run_all("plan_weight_export", bucket_size_mb)[0]
+        pending = self.group.run_all_async("export_weight_bucket", 0) if count else None
+        for i in range(count):
+            current = pending
+            pending = self.group.run_all_async("export_weight_bucket", i + 1) if i + 1 < count else None
+            yield ray.get(current)[0]
+
+    def save_pretrained(self, path: str) -> None:
+        """A Hugging Face directory (config, safetensors, tokenizer files) that from_pretrained loads."""
+        self.group.run_all("save_pretrained", os.path.abspath(path))
+
+    def save_checkpoint(self, path: str) -> None:
+        """Model + optimizer + scheduler + every rank's RNG state (torch.distributed.checkpoint) under `path`."""
+        self.group.run_all("save_checkpoint", os.path.abspath(path))
+
+    def load_checkpoint(self, path: str) -> None:
+        self.group.run_all("load_checkpoint", os.path.abspath(path))
+
+    def offload(self) -> None:
+        """Model and optimizer state to host memory (when on CUDA; a no-op on CPU)."""
+        self.group.run_all("offload")
+
+    def onload(self) -> None:
+        self.group.run_all("onload")
+
+    def shutdown(self) -> None:
+        """Kill the workers and free their resources; safe twice."""
+        if getattr(self, "group", None) is not None:
+            self.group.shutdown()
+            self.group = None
+
+    def __enter__(self) -> "Policy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
