@@ -28,7 +28,7 @@ class Sample:
     env_info: dict[str, Any]
     reward: float = 0.0
     done: bool = False
-    truncated: bool = False
+    truncated: bool = False  # the last turn stopped at its token limit, not at EOS / a stop string
     response_length: int = 0
     answer: Optional[str] = None
     stop_strings: Optional[list[str]] = None
@@ -90,7 +90,7 @@ def _step_environments(active: list[Sample], task_to_env: dict, tokenizer, last_
             s.turns += 1
             if ret.metadata[i] is not None:
                 s.env_info = ret.metadata[i]
-            if bool(ret.terminateds[i]) or last_turn or s.truncated:
+            if bool(ret.terminateds[i]) or last_turn:
                 s.done = True
                 continue
             obs = ret.observations[i]

@@ -8,6 +8,7 @@ from typing import Any
 # name -> "module:Class"; the class is a plain Python class, started as a Ray actor by create_env
 ENVIRONMENTS = {
     "math": "nemo_grpo.envs.math_env:MathEnvironment",
+    "guess": "nemo_grpo.envs.guessing_game:GuessingGameEnvironment",
 }
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -11,7 +10,6 @@ from typing import Iterator, Optional
 import torch
 
 log = logging.getLogger(__name__)
-
 
 @dataclass
 class GenerationOutput:
