@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+from nemo_grpo.utils.registry import load_registered
 
 BACKENDS = {
     "dtensor": "nemo_grpo.backends.dtensor.worker:DTensorPolicyWorker",
@@ -10,7 +10,4 @@ BACKENDS = {
 
 
 def worker_class(name: str):
-    if name not in BACKENDS:
-        raise ValueError(f"unknown policy.backend '{name}'; known: {', '.join(sorted(BACKENDS))}")
-    module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return load_registered(BACKENDS, name, "policy.backend")

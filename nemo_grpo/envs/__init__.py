@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from nemo_grpo.utils.registry import load_registered
 
 # name -> "module:Class"; the class is a plain Python class, started as a Ray actor by create_env
 ENVIRONMENTS = {
@@ -13,10 +14,7 @@ ENVIRONMENTS = {
 
 
 def environment_class(name: str):
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment '{name}'; known: {', '.join(sorted(ENVIRONMENTS))}")
-    module, cls = ENVIRONMENTS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return load_registered(ENVIRONMENTS, name, "environment")
 
 
 def create_env(name: str, cfg: Any, runtime_env: dict | None = None):
