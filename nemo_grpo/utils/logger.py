@@ -240,10 +240,10 @@ class Logger:
             self._bar = tqdm(total=total_steps, initial=initial_step, desc="GRPO", unit="step", dynamic_ncols=True)
 
     def update_progress(self, step: int, reward: float, timings: Optional[dict[str, float]] = None) -> None:
-        """Show `step`, the mean reward and seconds per step (timings["step"], else the wall time since the
+        """Show `step`, the mean reward and seconds per step (timings["total"], else the wall time since the
         previous update)."""
         now = time.perf_counter()
-        seconds = (timings or {}).get("step")
+        seconds = (timings or {}).get("total")
         if seconds is None:
             seconds = now - self._last_update if self._last_update is not None else math.nan
         self._last_update = now

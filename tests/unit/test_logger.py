@@ -106,7 +106,7 @@ def test_progress_reports_step_reward_and_seconds(tmp_path, caplog):
     logger = _logger(tmp_path, tensorboard_enabled=False)
     logger.start_progress(total_steps=10, initial_step=4)
     with caplog.at_level(logging.INFO, logger="nemo_grpo.utils.logger"):
-        logger.update_progress(5, reward=0.375, timings={"step": 2.5, "generation": 1.0})
+        logger.update_progress(5, reward=0.375, timings={"total": 2.5, "generation": 1.0})
     logger.close()
     assert "step 5/10" in caplog.text and "reward 0.375" in caplog.text and "2.50 s/step" in caplog.text
 
