@@ -50,8 +50,12 @@ class ResourcesConfig:
 
 @dataclass
 class ColocatedConfig:
-    enabled: bool = True  # generation shares the policy's devices
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # used when enabled is false
+    # true: generation shares the policy's devices; weights refit through Ray's object store.
+    # false: generation is a separate group of actors; weights refit over a collective group of their own
+    # (gloo on CPU, NCCL on GPU) from policy rank 0 (nemo_grpo/generation/refit.py)
+    enabled: bool = True
+    # the devices of non-colocated generation: required on GPUs, unused on a CPU-only cluster
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
 
 @dataclass
@@ -334,6 +338,10 @@ def _validate_policy(cfg: MasterConfig) -> None:
     _need(g.top_k is None or g.top_k > 0, "policy.generation.top_k", "must be > 0 or null")
     _need(g.max_new_tokens > 0, "policy.generation.max_new_tokens", "must be > 0")
     _need(g.refit_bucket_size_mb > 0, "policy.generation.refit_bucket_size_mb", "must be > 0")
+    for key in ("gpus_per_node", "num_nodes"):  # (on GPUs non-colocated generation needs both: refit.py checks)
+        value = getattr(g.colocated.resources, key)
+        _need(value is None or value > 0, f"policy.generation.colocated.resources.{key}",
+              f"must be > 0 or null, got {value}")
     total = cfg.data.max_input_seq_length + g.max_new_tokens * cfg.grpo.max_rollout_turns
     _need(total <= p.max_total_sequence_length, "policy.max_total_sequence_length",
           f"{p.max_total_sequence_length} < data.max_input_seq_length ({cfg.data.max_input_seq_length}) + "

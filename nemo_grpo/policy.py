@@ -9,6 +9,7 @@ Everything model-specific happens in the back end's `PolicyWorker` (nemo_grpo/ba
     batch["prev_logprobs"] = policy.get_logprobs(batch)          # [B, T]
     metrics = policy.train(batch, loss_fn)                        # one optimizer step per global batch
     engine.update_weights(policy.export_weights(bucket_size_mb))  # HF-named full tensors, bucket by bucket
+    make_refitter(policy, engine, cfg.policy.generation).refit()  # the same, or over a collective group
     policy.shutdown()
 """
 
@@ -176,6 +177,20 @@ class Policy:
             current = pending
             pending = self.group.run_all_async("export_weight_bucket", i + 1) if i + 1 < count else None
             yield ray.get(current)[0]
+
+    # weights to a separate engine over a collective group of their own (orchestrated by generation/refit.py)
+    def open_weight_transfer(self, name: str, bucket_size_mb: float, timeout_s: float) -> dict[str, Any]:
+        """Plan transfer `name` on every rank; rank 0's rendezvous {"host", "port", "plan", "device"}."""
+        return self.group.run_all("open_weight_transfer", name, bucket_size_mb, timeout_s)[0]
+
+    def join_weight_transfer_async(self, name: str, world_size: int, backend: str) -> list:
+        """ObjectRefs; they resolve once every receiver has joined (call the receivers' join meanwhile)."""
+        return self.group.run_all_async("join_weight_transfer", name, world_size, backend)
+
+    def send_weights_async(self, name: str) -> list:
+        """ObjectRefs of every rank's send (rank 0's: {"bytes", "buckets", "seconds"}); the receivers must
+        receive meanwhile."""
+        return self.group.run_all_async("send_weights", name)
 
     def save_pretrained(self, path: str) -> None:
         """A Hugging Face directory (config, safetensors, tokenizer files) that from_pretrained loads."""

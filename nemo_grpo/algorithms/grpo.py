@@ -19,9 +19,13 @@ from nemo_grpo.algorithms.advantages import compute_advantages, dynamic_sampling
 from nemo_grpo.algorithms.losses import generation_mismatch_metrics, make_loss
 from nemo_grpo.algorithms.rollout import Sample, collate, run_rollouts
 from nemo_grpo.config import MasterConfig, to_yaml
+from nemo_grpo.generation.refit import make_refitter
 from nemo_grpo.utils.timer import Timer
 
 log = logging.getLogger(__name__)
+
+# what the policy receives of a collated rollout batch (the backends' data contract)
+TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask", "advantages", "generation_logprobs")
 
 
 @dataclass
@@ -39,6 +43,7 @@ class GRPOTrainer:
         self.task_to_env, self.loader, self.val_datums = task_to_env, loader, val_datums
         self.logger, self.checkpointer = logger, checkpointer
         self.loss_fn = make_loss("clipped_pg", cfg.loss_fn)
+        self.refitter = make_refitter(policy, engine, cfg.policy.generation)
         self.state = GRPOState()
         self.timer = Timer()
         self.history: list[dict[str, float]] = []  # per-step metrics, for callers and tests
@@ -105,17 +110,18 @@ class GRPOTrainer:
     def train_step(self) -> dict[str, float]:
         cfg, step = self.cfg, self.state.step + 1
         self.timer.reset()
-        with self.timer.time("step"):
+        with self.timer.time("total"):
             samples, rewards, adv, stats = self._collect(step)
             batch = self._train_batch(samples, adv)
+            data = {k: v for k, v in batch.items() if k in TRAIN_KEYS}
             with self.timer.time("logprobs"):
-                batch["prev_logprobs"] = self.policy.get_logprobs(batch)
+                data["prev_logprobs"] = self.policy.get_logprobs(data)
                 if cfg.loss_fn.reference_policy_kl_penalty > 0:
-                    batch["reference_policy_logprobs"] = self.policy.get_reference_logprobs(batch)
-            mask = batch["token_mask"] * batch["sample_mask"][:, None]
-            mismatch = generation_mismatch_metrics(batch["prev_logprobs"], batch["generation_logprobs"], mask)
+                    data["reference_policy_logprobs"] = self.policy.get_reference_logprobs(data)
+            mask = data["token_mask"] * data["sample_mask"][:, None]
+            mismatch = generation_mismatch_metrics(data["prev_logprobs"], data["generation_logprobs"], mask)
             with self.timer.time("training"):
-                train_metrics = self.policy.train(batch, self.loss_fn)
+                train_metrics = self.policy.train(data, self.loss_fn)
             with self.timer.time("refit"):
                 self.refit()
         metrics = {**train_metrics, **mismatch, **stats, **self._env_metrics(batch),
@@ -135,9 +141,10 @@ class GRPOTrainer:
         results = ray.get([e.global_post_process_and_metrics.remote(view) for e in envs])
         return {k: v for _, m in results for k, v in m.items()}
 
-    def refit(self) -> None:
-        """Policy weights -> generation engine, in place, bucket by bucket."""
-        self.engine.update_weights(self.policy.export_weights(self.cfg.policy.generation.refit_bucket_size_mb))
+    def refit(self) -> dict[str, float]:
+        """Policy weights -> generation engine, in place, bucket by bucket (through Ray's object store when
+        colocated, else over a collective group): {"seconds", "bytes", "buckets"}."""
+        return self.refitter.refit()
 
     # ------------------------------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:

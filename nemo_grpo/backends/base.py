@@ -14,7 +14,10 @@ Loss: `loss, metrics = loss_fn(logprobs [b, T], mb, global_valid_seqs, global_va
 
 A back end subclasses PolicyWorker and supplies only what differs: building and parallelizing the model
 (`_build_model`), the forward pass to log-probs / scores, gradient finishing and the clipped norm, the local
-weight tensors, the full-weight export and the checkpoint format.
+weight tensors, the full-weight export (`_export_specs`, `_export_tensors`) and the checkpoint format. The
+weight export feeds three consumers written once here: `export_weight_bucket` (buckets through Ray's object
+store), `send_weights` (buckets broadcast over a weight-transfer group to separate engine workers, see
+nemo_grpo/generation/refit.py) and `save_pretrained`.
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+
+from nemo_grpo.distributed import weight_transfer as wt
+from nemo_grpo.distributed.weight_transfer import TensorSpec
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
@@ -107,6 +114,21 @@ def _as_float(value) -> float:
     return float(value.detach().float().sum()) if isinstance(value, torch.Tensor) else float(value)
 
 
+def loss_and_metrics(loss_fn, logprobs: torch.Tensor, mb: dict[str, Any], gvs: torch.Tensor,
+                     gvt: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    """loss_fn on one micro-batch: (loss contribution, its metrics with "loss" added unless the loss fn set it)."""
+    loss, metrics = loss_fn(logprobs, mb, gvs, gvt)
+    metrics = dict(metrics)
+    metrics.setdefault("loss", loss)
+    return loss, metrics
+
+
+def accumulate(totals: dict[str, float], metrics: dict[str, Any]) -> None:
+    """totals[k] += float(metrics[k]) for every metric (in place)."""
+    for k, v in metrics.items():
+        totals[k] = totals.get(k, 0.0) + _as_float(v)
+
+
 # ---------------------------------------------------------------------------------------------- the worker
 class PolicyWorker(ABC):
     """One rank of a policy (a Ray actor started by WorkerGroup; the process group exists before the model).
@@ -135,6 +157,7 @@ class PolicyWorker(ABC):
         if init_reference:  # the initial weights: a CPU copy of this rank's local shards
             self.reference = {n: t.detach().to("cpu", copy=True) for n, t in self._local_weights().items()}
         self._export_plan: list[list[str]] = []
+        self._transfers: dict[str, dict[str, Any]] = {}  # open weight transfers (to separate engines), by name
 
     # ------------------------------------------------------------------------------------------ back end
     @classmethod
@@ -163,8 +186,8 @@ class PolicyWorker(ABC):
         """name -> this rank's local tensor aliasing the live parameter (for reference swaps)."""
 
     @abstractmethod
-    def _export_sizes(self) -> list[tuple[str, int]]:
-        """(HF name, full nbytes) of every tensor of the HF state_dict, in order; same on all ranks."""
+    def _export_specs(self) -> list[TensorSpec]:
+        """(HF name, full shape, dtype) of every tensor of the HF state_dict, in order; same on all ranks."""
 
     @abstractmethod
     def _export_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -271,20 +294,10 @@ class PolicyWorker(ABC):
         """zero_grad -> forward/backward over micro-batches -> finish grads -> clip -> step; written once."""
         self.optimizer.zero_grad(set_to_none=True)
         n, size = batch_size_of(data), self.cfg.train_micro_batch_size
-        starts = list(range(0, n, size))
         gvs = torch.as_tensor(global_valid_seqs, dtype=torch.float32, device=self.device)
         gvt = torch.as_tensor(global_valid_toks, dtype=torch.float32, device=self.device)
-        totals: dict[str, float] = {}
-        for i, s in enumerate(starts):
-            mb = self._to_device(slice_batch(data, s, min(s + size, n)))
-            self._set_gradient_sync(i == len(starts) - 1)
-            logprobs = self._forward_logprobs(mb)  # [b, T]
-            loss, metrics = loss_fn(logprobs, mb, gvs, gvt)
-            loss.backward()
-            metrics = dict(metrics)
-            metrics.setdefault("loss", loss)
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + _as_float(v)
+        micro_batches = [slice_batch(data, s, min(s + size, n)) for s in range(0, n, size)]
+        totals = self._forward_backward(micro_batches, loss_fn, gvs, gvt)
         self._finish_gradients()
         grad_norm = self._clip_grad_norm(self.cfg.max_grad_norm)
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -293,7 +306,24 @@ class PolicyWorker(ABC):
         self.optimizer.zero_grad(set_to_none=True)
         return {**totals, "grad_norm": grad_norm, "lr": lr}
 
+    def _forward_backward(self, micro_batches: list[dict[str, Any]], loss_fn, gvs: torch.Tensor,
+                          gvt: torch.Tensor) -> dict[str, float]:
+        """Forward + backward of every micro-batch (CPU rows, sliced from this rank's data); returns the loss-fn
+        metrics (and "loss") summed over them. A back end whose forward is a pipeline schedule overrides this
+        loop and calls `loss_and_metrics` from its schedule's loss closure."""
+        totals: dict[str, float] = {}
+        for i, mb in enumerate(micro_batches):
+            mb = self._to_device(mb)
+            self._set_gradient_sync(i == len(micro_batches) - 1)
+            loss, metrics = loss_and_metrics(loss_fn, self._forward_logprobs(mb), mb, gvs, gvt)  # logprobs [b, T]
+            loss.backward()
+            accumulate(totals, metrics)
+        return totals
+
     # ------------------------------------------------------------------------------------------ weights out
+    def _export_sizes(self) -> list[tuple[str, int]]:
+        return [(s.name, s.nbytes) for s in self._export_specs()]
+
     def plan_weight_export(self, bucket_size_mb: float) -> int:
         """Collective-free: group the HF state_dict into buckets of ~bucket_size_mb; returns the bucket count."""
         self._export_plan = plan_buckets(self._export_sizes(), bucket_size_mb * 1024 * 1024)
@@ -333,3 +363,50 @@ class PolicyWorker(ABC):
             with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
+    # ------------------------------------------------------------------------------------------ weights to engines
+    def open_weight_transfer(self, name: str, bucket_size_mb: float, timeout_s: float) -> Optional[dict[str, Any]]:
+        """Collective-free, on every rank: plan transfer `name`: the HF state_dict in buckets of ~bucket_size_mb,
+        tied aliases included, as in the export (vLLM's layerwise reload expects a tied lm_head.weight too).
+        Rank 0 also opens the transfer group's store on a free port and returns {"host", "port", "plan",
+        "device"}, the plan as lists of TensorSpec (what the receivers allocate); None on other ranks."""
+        import ray
+
+        specs = {s.name: s for s in self._export_specs()}
+        plan = [[specs[n] for n in names]
+                for names in plan_buckets(self._export_sizes(), bucket_size_mb * 1024 * 1024)]
+        transfer: dict[str, Any] = {"plan": plan, "group": None, "timeout_s": timeout_s}
+        self._transfers[name] = transfer
+        if self.rank != 0:
+            return None
+        host = ray.util.get_node_ip_address()
+        transfer["store"], port = wt.open_store(host, timeout_s)
+        return {"host": host, "port": port, "plan": plan, "device": self.device.type}
+
+    def join_weight_transfer(self, name: str, world_size: int, backend: str) -> None:
+        """Rank 0 joins transfer `name` as its rank 0 (returns once every receiver has joined); no-op elsewhere."""
+        transfer = self._transfers[name]
+        if self.rank == 0:
+            transfer["device"] = self.device if backend == "nccl" else torch.device("cpu")
+            transfer["group"] = wt.join_group("", 0, 0, world_size, backend, transfer["timeout_s"],
+                                              store=transfer["store"])
+
+    def send_weights(self, name: str) -> Optional[dict[str, float]]:
+        """Collective on all ranks: every bucket of transfer `name` is gathered to full tensors (as the export
+        does) and rank 0 broadcasts it, one flat buffer per dtype. Rank 0 returns {"bytes", "buckets",
+        "seconds"}; None elsewhere."""
+        transfer = self._transfers.get(name)
+        if transfer is None:
+            raise RuntimeError(f"send_weights: no weight transfer '{name}' (call open_weight_transfer first)")
+        start, sent = time.perf_counter(), 0
+        in_flight: list = []  # bucket i's broadcast proceeds while bucket i + 1 is gathered
+        for bucket in transfer["plan"]:
+            tensors = self._export_tensors([s.name for s in bucket])
+            if self.rank == 0:
+                flats = wt.pack(tensors, bucket, transfer["device"])
+                wt.wait(in_flight)
+                in_flight = wt.broadcast_async(transfer["group"], flats)
+                sent += sum(f.numel() * f.element_size() for f in flats)
+        wt.wait(in_flight)
+        if self.rank != 0:
+            return None
+        return {"bytes": float(sent), "buckets": float(len(transfer["plan"])), "seconds": time.perf_counter() - start}

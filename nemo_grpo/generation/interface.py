@@ -32,6 +32,12 @@ class GenerationEngine(ABC):
     def update_weights(self, buckets: Iterator[dict[str, torch.Tensor]]) -> None:
         """Load Hugging-Face-named full tensors, bucket by bucket, into the running engine (no restart)."""
 
+    def workers(self) -> list:
+        """The Ray actors holding the engine's model replicas (each a generation.refit.WeightReceiver): the
+        receivers of a non-colocated refit."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be refit over a collective group "
+                                  "(policy.generation.colocated.enabled=false)")
+
     def shutdown(self) -> None:
         """Free the engine's actors; safe twice."""
 

@@ -12,6 +12,7 @@ from typing import Iterator, Optional
 import torch
 
 from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput
+from nemo_grpo.generation.refit import WeightReceiver
 
 
 def filter_logits(logits: torch.Tensor, top_k: Optional[int], top_p: float) -> torch.Tensor:
@@ -27,8 +28,9 @@ def filter_logits(logits: torch.Tensor, top_k: Optional[int], top_p: float) -> t
     return logits
 
 
-class TorchGenerationWorker:
-    """Ray actor holding one HF causal LM; `generate` runs a batched, left-padded sampling loop."""
+class TorchGenerationWorker(WeightReceiver):
+    """Ray actor holding one HF causal LM (on the CPU); `generate` runs a batched, left-padded sampling loop.
+    Refit: `load_bucket` per bucket, from the driver (colocated) or from a weight-transfer group (WeightReceiver)."""
 
     def __init__(self, model_path: str, cfg, num_threads: int = 1):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -40,7 +42,10 @@ class TorchGenerationWorker:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stop_ids = {self.tokenizer.eos_token_id, *(cfg.stop_token_ids or [])} - {None}
 
-    def load_weights(self, bucket: dict[str, torch.Tensor]) -> int:
+    def _weight_names(self) -> set[str]:
+        return set(self.model.state_dict())
+
+    def load_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
         """Copy HF-named tensors into the live parameters in place; returns how many were loaded."""
         params = self.model.state_dict()
         unknown = [k for k in bucket if k not in params]
@@ -114,8 +119,11 @@ class TorchGeneration(GenerationEngine):
     def update_weights(self, buckets: Iterator[dict[str, torch.Tensor]]) -> None:
         import ray
 
-        pending = [self.actor.load_weights.remote(bucket) for bucket in buckets]  # streamed, loaded in order
+        pending = [self.actor.load_bucket.remote(bucket) for bucket in buckets]  # streamed, loaded in order
         ray.get(pending)
+
+    def workers(self) -> list:
+        return [self.actor]
 
     def shutdown(self) -> None:
         import ray

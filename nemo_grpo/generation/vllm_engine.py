@@ -21,7 +21,9 @@ memory for the rest (measured: NaN log-probs after a bucket holding only `q_proj
 one refit: `initialize_layerwise_reload` once, the model's `load_weights` per bucket (the layerwise loaders
 buffer a fused layer's tensors until the layer is complete, across buckets), `finalize_layerwise_reload` at
 the end, then `reset_prefix_cache()`. Memory stays at about one layer beyond the current bucket instead of a
-second copy of the model, and any bucket boundary is fine. Loading uses the in-process worker
+second copy of the model, and any bucket boundary is fine. Non-colocated, the same three phases run inside
+one `receive_weights` call (`WeightReceiver`, generation/refit.py), the buckets arriving over a weight-transfer
+group instead of through the driver. Loading uses the in-process worker
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the engine is single-device (no vLLM tensor parallelism).
 """
 
@@ -37,6 +39,7 @@ from typing import Iterator, Optional
 import torch
 
 from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput
+from nemo_grpo.generation.refit import WeightReceiver
 
 # environment of the engine's actor: vLLM's engine core in the actor's own process (no subprocess), so the
 # worker and its model are reachable for in-place refit
@@ -97,8 +100,9 @@ def _to_output(completion) -> GenerationOutput:
     return GenerationOutput(tokens, logprobs, completion.finish_reason)
 
 
-class VllmGenerationWorker:
-    """Ray actor holding one in-process `vllm.LLM`; refit streams buckets into the live model."""
+class VllmGenerationWorker(WeightReceiver):
+    """Ray actor holding one in-process `vllm.LLM`; refit streams buckets into the live model, from the driver
+    (colocated) or from a weight-transfer group (non-colocated, WeightReceiver)."""
 
     def __init__(self, model_path: str, num_threads: int = 1, max_model_len: Optional[int] = None,
                  gpu_memory_utilization: float = 0.9, seed: int = 0):
@@ -139,6 +143,12 @@ class VllmGenerationWorker:
                   for i in range(len(prompts))]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [_to_output(out.outputs[0]) for out in outs]
+
+    def _weight_names(self) -> Optional[set[str]]:
+        return self.known_names
+
+    def _weight_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def _worker(self):
         """The in-process vLLM worker (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
@@ -234,6 +244,9 @@ class VllmGeneration(GenerationEngine):
             ray.get(list(pending))
         finally:
             ray.get(self.actor.finish_refit.remote())  # always close the refit, so the engine can generate
+
+    def workers(self) -> list:
+        return [self.actor]
 
     def shutdown(self) -> None:
         import ray

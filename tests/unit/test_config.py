@@ -53,6 +53,7 @@ BAD = [
     (["data.train.prompt_file=/no/such/prompt.txt"], "data.train.prompt_file"),
     (["env.math=null"], "env.math"),
     (["cluster.gpus_per_node=0"], "cluster.gpus_per_node"),
+    (["policy.generation.colocated.resources.num_nodes=0"], "policy.generation.colocated.resources.num_nodes"),
     (["grpo.max_num_steps"], "grpo.max_num_steps"),  # no '=': not an override
 ]
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from nemo_grpo.backends.base import PolicyWorker, token_logprobs_from_logits
 from nemo_grpo.backends.dtensor import parallelize as par
+from nemo_grpo.distributed.weight_transfer import TensorSpec
 
 
 def _tied_aliases(model: torch.nn.Module) -> frozenset:
@@ -114,8 +115,8 @@ class DTensorPolicyWorker(PolicyWorker):
             out[n] = p.to_local() if isinstance(p, DTensor) else p
         return out
 
-    def _export_sizes(self) -> list[tuple[str, int]]:
-        return [(n, t.numel() * t.element_size()) for n, t in self.model.state_dict().items()]
+    def _export_specs(self) -> list[TensorSpec]:
+        return [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()]
 
     def _export_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
         state = self.model.state_dict()

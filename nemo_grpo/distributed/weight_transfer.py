@@ -1,0 +1,138 @@
+"""Weights over a collective group of their own: the trainer (rank 0) broadcasts to generation workers (1..n).
+
+The group is built directly from a `TCPStore` and a `ProcessGroupGloo` / `ProcessGroupNCCL` (what vLLM's
+`stateless_init_torch_distributed_process_group` does), so it is independent of any default process group: the
+policy's FSDP group and an engine's own groups are untouched, and a process may belong to several such groups.
+The trainer opens the store on a free port (`open_store`); every member then calls `join_group`.
+
+A transfer plan is a list of buckets, each a list of `TensorSpec`s that both sides know before the first
+transfer. A bucket travels as one flat buffer per dtype (dtypes in order of first appearance in the bucket,
+tensors concatenated in plan order): one broadcast per dtype instead of one per tensor.
+
+    plan = [[TensorSpec("w", (4, 8), torch.float32), ...], ...]
+    sender:   broadcast(group, pack(tensors, bucket, device))        # rank 0
+    receiver: flats = empty_buffers(bucket, device); broadcast(group, flats); views = unpack(flats, bucket)
+
+Both ends keep one bucket in flight (`broadcast_async`): the sender gathers bucket i+1 while bucket i
+travels, the receiver receives bucket i+1 while it loads bucket i (at most two buckets of memory each).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+STORE_PREFIX = "nemo_grpo/weight_transfer"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, full shape and dtype of one Hugging-Face-named weight."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def plan_nbytes(plan: list[list[TensorSpec]]) -> int:
+    return sum(s.nbytes for bucket in plan for s in bucket)
+
+
+# ---------------------------------------------------------------------------------------------- the group
+def open_store(host: str, timeout_s: float) -> tuple[torch.distributed.TCPStore, int]:
+    """The rendezvous store of a new group, served by this process (its rank 0) on a free port of this node,
+    `host` being the node's address the other members connect to: (store, port)."""
+    store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=timeout_s))
+    return store, store.port
+
+
+def join_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
+               store: Optional[torch.distributed.TCPStore] = None):
+    """Join the group whose store serves at host:port (rank 0 passes the store it opened). Blocks until all
+    world_size members have joined. backend: "gloo" (CPU tensors) | "nccl" (CUDA tensors on the current device).
+    Returns the backend object (`broadcast([tensor], opts)`)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = torch.distributed.TCPStore(host, port, is_master=False, timeout=timeout)
+    prefixed = torch.distributed.PrefixStore(STORE_PREFIX, store)
+    if backend == "gloo":
+        return torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    if backend == "nccl":
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return torch.distributed.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    raise ValueError(f"weight transfer backend '{backend}' is unknown; known: gloo, nccl")
+
+
+def broadcast_async(group, flats: list[torch.Tensor], root: int = 0) -> list:
+    """Queue a broadcast of every buffer from `root` (in place on the others); returns the works to wait on.
+    The buffers must stay alive and untouched until then."""
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = root
+    return [group.broadcast([flat], opts) for flat in flats]
+
+
+def wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+def broadcast(group, flats: list[torch.Tensor], root: int = 0) -> None:
+    """broadcast_async, then wait."""
+    wait(broadcast_async(group, flats, root))
+
+
+# ---------------------------------------------------------------------------------------------- buffers
+def dtype_groups(bucket: list[TensorSpec]) -> list[tuple[torch.dtype, list[TensorSpec]]]:
+    """The bucket's specs by dtype, dtypes in order of first appearance, specs in plan order."""
+    groups: dict[torch.dtype, list[TensorSpec]] = {}
+    for spec in bucket:
+        groups.setdefault(spec.dtype, []).append(spec)
+    return list(groups.items())
+
+
+def pack(tensors: dict[str, torch.Tensor], bucket: list[TensorSpec], device: torch.device) -> list[torch.Tensor]:
+    """Sender: one flat buffer per dtype on `device` (1-D, the bucket's tensors of that dtype concatenated)."""
+    flats = []
+    for dtype, specs in dtype_groups(bucket):
+        parts = []
+        for s in specs:
+            t = tensors[s.name]
+            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                raise ValueError(f"weight transfer: '{s.name}' is {tuple(t.shape)} {t.dtype}, the plan says "
+                                 f"{s.shape} {s.dtype}")
+            parts.append(t.reshape(-1))
+        flats.append(torch.cat(parts).to(device))
+    return flats
+
+
+def empty_buffers(bucket: list[TensorSpec], device: torch.device) -> list[torch.Tensor]:
+    """Receiver: uninitialised flat buffers matching pack()'s layout."""
+    return [torch.empty(sum(s.numel for s in specs), dtype=dtype, device=device)
+            for dtype, specs in dtype_groups(bucket)]
+
+
+def unpack(flats: list[torch.Tensor], bucket: list[TensorSpec]) -> dict[str, torch.Tensor]:
+    """Receiver: name -> view of the flat buffers with the spec's shape (no copy), in plan order."""
+    views = {}
+    for flat, (_, specs) in zip(flats, dtype_groups(bucket)):
+        offset = 0
+        for s in specs:
+            views[s.name] = flat[offset : offset + s.numel].view(s.shape)
+            offset += s.numel
+    return {s.name: views[s.name] for s in bucket}

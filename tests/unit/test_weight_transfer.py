@@ -1,0 +1,128 @@
+"""The weight-transfer group and its bucket layout: packing, a real gloo group (threads as members), and the
+engine-side receiver's protocol (every bucket received even after a failed load)."""
+
+import threading
+
+import pytest
+import torch
+
+from nemo_grpo.distributed import weight_transfer as wt
+from nemo_grpo.distributed.weight_transfer import TensorSpec
+from nemo_grpo.config import ConfigError, GenerationConfig
+from nemo_grpo.generation.refit import WeightReceiver, check_generation_resources
+
+TIMEOUT_S = 60.0
+
+
+def mixed_bucket(seed: int) -> tuple[list[TensorSpec], dict[str, torch.Tensor]]:
+    """Interleaved dtypes (fp32, bf16, int64, fp32), shapes of rank 0..2."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"a.weight": torch.randn(3, 4, generator=g), "b.weight": torch.randn(5, generator=g).bfloat16(),
+               "c.index": torch.randint(0, 100, (2, 2), generator=g), "d.scale": torch.randn((), generator=g)}
+    return [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], tensors
+
+
+def test_pack_unpack_round_trip_one_buffer_per_dtype():
+    bucket, tensors = mixed_bucket(0)
+    flats = wt.pack(tensors, bucket, torch.device("cpu"))
+    assert [f.dtype for f in flats] == [torch.float32, torch.bfloat16, torch.int64]  # first appearance
+    assert [f.numel() for f in flats] == [12 + 1, 5, 4]
+    assert sum(f.numel() * f.element_size() for f in flats) == sum(s.nbytes for s in bucket)
+    views = wt.unpack(flats, bucket)
+    assert list(views) == list(tensors)
+    for name, t in tensors.items():
+        assert views[name].dtype == t.dtype and torch.equal(views[name], t)
+    views["a.weight"][0, 0] = 42.0  # views, not copies
+    assert flats[0][0] == 42.0
+    assert [tuple(b.shape) for b in wt.empty_buffers(bucket, torch.device("cpu"))] == [(13,), (5,), (4,)]
+
+
+def test_pack_names_a_tensor_that_does_not_match_the_plan():
+    bucket, tensors = mixed_bucket(0)
+    tensors["b.weight"] = tensors["b.weight"].float()
+    with pytest.raises(ValueError, match="b.weight"):
+        wt.pack(tensors, bucket, torch.device("cpu"))
+
+
+class ListReceiver(WeightReceiver):
+    """Records the buckets it loads; fails to load bucket `fail_at`."""
+
+    def __init__(self, fail_at=None):
+        self.loaded, self.fail_at, self.events = [], fail_at, []
+
+    def begin_refit(self):
+        self.events.append("begin")
+
+    def finish_refit(self):
+        self.events.append("finish")
+        return 0
+
+    def load_bucket(self, bucket):
+        if len(self.loaded) == self.fail_at:
+            raise KeyError("bad bucket")
+        self.loaded.append({k: v.clone() for k, v in bucket.items()})
+        return len(bucket)
+
+
+def run_members(fns):
+    """Run each fn in its own thread (group members block in join until all arrive); results or exceptions."""
+    results = [None] * len(fns)
+
+    def run(i):
+        try:
+            results[i] = fns[i]()
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert not any(t.is_alive() for t in threads), "a member is stuck"
+    return results
+
+
+def test_broadcast_reaches_every_receiver_and_a_failed_load_does_not_stall_the_sender():
+    plan, buckets = zip(*(mixed_bucket(seed) for seed in range(3)))
+    plan = list(plan)
+    store, port = wt.open_store("127.0.0.1", TIMEOUT_S)
+    receivers = [ListReceiver(), ListReceiver(fail_at=1)]
+
+    def sender():
+        group = wt.join_group("", 0, 0, 3, "gloo", TIMEOUT_S, store=store)
+        for bucket, tensors in zip(plan, buckets):
+            wt.broadcast(group, wt.pack(tensors, bucket, torch.device("cpu")))
+        return "sent"
+
+    def receiver(r):
+        def fn():
+            r.join_weight_transfer("127.0.0.1", port, 1 + receivers.index(r), 3, "gloo", plan, TIMEOUT_S)
+            return r.receive_weights()
+        return fn
+
+    sent, ok, failed = run_members([sender] + [receiver(r) for r in receivers])
+    assert sent == "sent"
+    assert ok == sum(len(b) for b in plan)
+    assert all(torch.equal(got[k], want[k]) for got, want in zip(receivers[0].loaded, buckets) for k in want)
+    assert isinstance(failed, KeyError)  # raised after the last bucket was received ...
+    assert len(receivers[1].loaded) == 1 and receivers[1].events == ["begin", "finish"]  # ... and closed
+
+
+def test_receiver_checks_names_before_joining():
+    class Named(ListReceiver):
+        def _weight_names(self):
+            return {"a.weight"}
+
+    with pytest.raises(KeyError, match="no parameter"):
+        Named().join_weight_transfer("127.0.0.1", 1, 1, 2, "gloo", [mixed_bucket(0)[0]], TIMEOUT_S)
+
+
+def test_non_colocated_generation_on_gpus_needs_its_resources():
+    cfg = GenerationConfig()
+    cfg.colocated.enabled = False
+    check_generation_resources(cfg, on_gpus=False)  # a CPU cluster: actors are scheduling slots
+    with pytest.raises(ConfigError, match="policy.generation.colocated.resources.gpus_per_node"):
+        check_generation_resources(cfg, on_gpus=True)
+    cfg.colocated.resources.gpus_per_node, cfg.colocated.resources.num_nodes = 4, 1
+    check_generation_resources(cfg, on_gpus=True)
