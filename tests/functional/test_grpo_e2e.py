@@ -48,7 +48,8 @@ def test_default_recipe_learns(tmp_path):
 def test_kill_and_resume_continues_exactly(tmp_path):
     """4 steps straight vs 2 steps, a new process resuming from the step-2 checkpoint, 2 more."""
     common = ["grpo.val_at_start=false", "grpo.val_period=0", "grpo.val_at_end=false",
-              "checkpointing.save_period=2", "grpo.num_prompts_per_step=8", "policy.train_global_batch_size=64"]
+              "checkpointing.save_period=2", "grpo.num_prompts_per_step=8", "policy.train_global_batch_size=64",
+              "policy.generation.backend=torch"]  # the fallback engine, end to end (the learning test uses vLLM)
     straight, split = tmp_path / "straight", tmp_path / "split"
     run_train(straight, "grpo.max_num_steps=4", *common)
     run_train(split, "grpo.max_num_steps=2", *common)
