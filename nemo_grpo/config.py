@@ -60,7 +60,7 @@ class ColocatedConfig:
 
 @dataclass
 class GenerationConfig:
-    backend: str = "torch"  # torch | vllm
+    backend: str = "vllm"  # vllm | torch (vllm falls back to torch, with a notice, where it is not installed)
     max_new_tokens: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
