@@ -32,6 +32,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import importlib.util
+import logging
 import os
 from collections import deque
 from typing import Iterator, Optional
@@ -44,6 +45,10 @@ from nemo_grpo.generation.refit import WeightReceiver
 # environment of the engine's actor: vLLM's engine core in the actor's own process (no subprocess), so the
 # worker and its model are reachable for in-place refit
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# per-step INFO lines (prefix-cache resets) and one warning per refit that is expected with bucketed reloads:
+# layers without checkpoint tensors (rotary caches) keep their kernel tensors, which is what we want
+QUIET_LOGGING = {"VLLM_LOGGING_LEVEL": "WARNING"}
+EXPECTED_RELOAD_WARNING = "RotaryEmbedding: Failed to load weights"
 CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when the caller has not set it: plenty for small models
 MAX_MODEL_LEN_CAP = 32768  # max_model_len = min(max_position_embeddings, this) unless given
 BUCKETS_IN_FLIGHT = 2  # refit buckets sent ahead of the one being loaded (bounds object-store use)
@@ -108,6 +113,10 @@ class VllmGenerationWorker(WeightReceiver):
                  gpu_memory_utilization: float = 0.9, seed: int = 0):
         for key, value in ENGINE_ENV.items():
             os.environ[key] = value  # before vLLM is imported; the actor's runtime_env sets them too
+        for key, value in QUIET_LOGGING.items():
+            os.environ.setdefault(key, value)  # a user's VLLM_LOGGING_LEVEL wins
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda record: record.getMessage() != EXPECTED_RELOAD_WARNING)
         torch.set_num_threads(num_threads)  # before vLLM's CPU worker disables set_num_threads
         self.llm = self._build_llm(model_path, max_model_len, gpu_memory_utilization, seed)
         config = self.llm.llm_engine.model_config.hf_config
