@@ -8,6 +8,7 @@ Key names follow NeMo RL's GRPO guide so its users recognise them.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -40,6 +41,18 @@ class DTensorConfig:
     # data-parallel (FSDP2) degree; null = world size / tensor_parallel_size
     data_parallel_size: Optional[int] = None
     activation_checkpointing: bool = False
+
+
+@dataclass
+class MegatronConfig:
+    """policy.megatron_cfg: the Megatron-Core back end's layout (world size = tp x pp x dp)."""
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1  # must divide the model's num_hidden_layers
+    sequence_parallel: bool = False  # with tp > 1: activations outside attention/MLP split along the sequence
+    context_parallel_size: int = 1  # only 1 is supported so far (rejected otherwise, with a message)
+    use_distributed_optimizer: bool = False  # not implemented yet (rejected with a message)
+    activation_checkpointing: bool = False  # full recomputation of every layer in the backward pass
+    layer_spec: str = "local"  # local (torch modules) | transformer_engine (needs Transformer Engine)
 
 
 @dataclass
@@ -91,6 +104,7 @@ class PolicyConfig:
     max_grad_norm: Optional[float] = 0.2  # null disables clipping
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     dtensor_cfg: DTensorConfig = field(default_factory=DTensorConfig)
+    megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
 
@@ -350,24 +364,49 @@ def _validate_policy(cfg: MasterConfig) -> None:
 
 
 def _validate_parallel(cfg: MasterConfig) -> None:
-    c, d = cfg.cluster, cfg.policy.dtensor_cfg
+    c = cfg.cluster
     _need(c.gpus_per_node > 0, "cluster.gpus_per_node", "must be > 0")
     _need(c.num_nodes > 0, "cluster.num_nodes", "must be > 0")
     _need(c.num_threads_per_worker > 0, "cluster.num_threads_per_worker", "must be > 0")
     world = world_size(cfg)
+    where = f"world size {world} (cluster.gpus_per_node {c.gpus_per_node} x cluster.num_nodes {c.num_nodes})"
+    if cfg.policy.backend == "megatron":
+        validate_megatron_layout(cfg.policy, world, where)
+        return
+    d = cfg.policy.dtensor_cfg
     tp = d.tensor_parallel_size
     _need(tp > 0, "policy.dtensor_cfg.tensor_parallel_size", "must be > 0")
     _need(world % tp == 0, "policy.dtensor_cfg.tensor_parallel_size",
-          f"world size {world} (cluster.gpus_per_node {c.gpus_per_node} x cluster.num_nodes {c.num_nodes}) "
-          f"is not divisible by tensor_parallel_size {tp}")
+          f"{where} is not divisible by tensor_parallel_size {tp}")
     if d.data_parallel_size is not None:
         _need(d.data_parallel_size * tp == world, "policy.dtensor_cfg.data_parallel_size",
               f"data_parallel_size {d.data_parallel_size} x tensor_parallel_size {tp} = "
-              f"{d.data_parallel_size * tp} != world size {world} "
-              f"(cluster.gpus_per_node {c.gpus_per_node} x cluster.num_nodes {c.num_nodes})")
+              f"{d.data_parallel_size * tp} != {where}")
+
+
+def validate_megatron_layout(p: PolicyConfig, world: int, where: str = "") -> None:
+    """policy.megatron_cfg against the world size (also called by the back end before any actor starts)."""
+    m, key, where = p.megatron_cfg, "policy.megatron_cfg.", where or f"world size {world}"
+    _need(p.precision == "float32", "policy.precision",
+          f"got {p.precision}; the megatron back end runs float32 only so far (bfloat16: policy.backend=dtensor)")
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    _need(tp > 0, key + "tensor_model_parallel_size", "must be > 0")
+    _need(pp > 0, key + "pipeline_model_parallel_size", "must be > 0")
+    _need(world % (tp * pp) == 0, key + "tensor_model_parallel_size",
+          f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} = {tp * pp} does not divide {where}")
+    _need(m.context_parallel_size == 1, key + "context_parallel_size",
+          f"got {m.context_parallel_size}; context parallelism is not built yet: only 1 is supported")
+    _need(not m.use_distributed_optimizer, key + "use_distributed_optimizer",
+          "true is not supported yet: the megatron back end steps a torch optimizer on each rank's shards")
+    _choice(m.layer_spec, key + "layer_spec", ["local", "transformer_engine"])
+    _need(m.layer_spec == "local" or importlib.util.find_spec("transformer_engine") is not None,
+          key + "layer_spec", "transformer_engine needs Transformer Engine installed (the gpu extra); use local")
 
 
 def data_parallel_size(cfg: MasterConfig) -> int:
+    if cfg.policy.backend == "megatron":
+        m = cfg.policy.megatron_cfg
+        return world_size(cfg) // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
     return world_size(cfg) // cfg.policy.dtensor_cfg.tensor_parallel_size
 
 

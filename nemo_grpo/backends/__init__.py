@@ -6,6 +6,7 @@ from nemo_grpo.utils.registry import load_registered
 
 BACKENDS = {
     "dtensor": "nemo_grpo.backends.dtensor.worker:DTensorPolicyWorker",
+    "megatron": "nemo_grpo.backends.mcore.worker:MegatronPolicyWorker",
 }
 
 

@@ -201,6 +201,10 @@ class PolicyWorker(ABC):
     def load_checkpoint(self, path: str) -> None:
         """Collective: restore what save_checkpoint wrote."""
 
+    def _hf_config(self):
+        """The transformers config of the model actually built (architecture, num_labels), saved with it."""
+        return self.model.config
+
     def _finish_gradients(self) -> None:
         """Hook after the last backward of a step (e.g. reduce gradients a parallelism leaves partial)."""
 
@@ -348,7 +352,7 @@ class PolicyWorker(ABC):
                 src = os.path.join(self.model_path, name)
                 if os.path.isfile(src) and not name.endswith(WEIGHT_SUFFIXES):
                     shutil.copy2(src, os.path.join(path, name))
-            self.model.config.save_pretrained(path)  # the config of the model actually built (head, labels)
+            self._hf_config().save_pretrained(path)  # the config of the model actually built (head, labels)
         weight_map = {}
         for names, fname in zip(plan, files):
             tensors = self._export_tensors(names)

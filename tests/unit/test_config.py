@@ -1,5 +1,6 @@
 """Config loading: defaults, YAML recipes, dotted overrides, and errors that name the offending key."""
 
+import glob
 import os
 
 import pytest
@@ -55,6 +56,16 @@ BAD = [
     (["cluster.gpus_per_node=0"], "cluster.gpus_per_node"),
     (["policy.generation.colocated.resources.num_nodes=0"], "policy.generation.colocated.resources.num_nodes"),
     (["grpo.max_num_steps"], "grpo.max_num_steps"),  # no '=': not an override
+    (["policy.backend=megatron", "policy.megatron_cfg.tensor_model_parallel_size=2",
+      "policy.megatron_cfg.pipeline_model_parallel_size=2"], "policy.megatron_cfg.tensor_model_parallel_size"),
+    (["policy.backend=megatron", "policy.megatron_cfg.context_parallel_size=2"],
+     "policy.megatron_cfg.context_parallel_size"),
+    (["policy.backend=megatron", "policy.megatron_cfg.use_distributed_optimizer=true"],
+     "policy.megatron_cfg.use_distributed_optimizer"),
+    (["policy.backend=megatron", "policy.megatron_cfg.layer_spec=fast"], "policy.megatron_cfg.layer_spec"),
+    (["policy.backend=megatron", "policy.megatron_cfg.layer_spec=transformer_engine"],
+     "policy.megatron_cfg.layer_spec"),  # Transformer Engine is not installed on the CPU stack
+    (["policy.backend=megatron", "policy.precision=bfloat16"], "policy.precision"),  # fp32 only so far
 ]
 
 
@@ -63,6 +74,21 @@ def test_bad_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert key in str(e.value)
+
+
+@pytest.mark.parametrize("recipe", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),
+                         ids=os.path.basename)
+def test_every_recipe_validates(recipe):
+    cfg = load_config(recipe)
+    assert cfg.policy.backend in ("dtensor", "megatron")
+
+
+def test_megatron_layout_error_shows_the_arithmetic():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["policy.backend=megatron", "policy.megatron_cfg.tensor_model_parallel_size=2",
+                           "policy.megatron_cfg.pipeline_model_parallel_size=2"])
+    assert "tensor_model_parallel_size 2 x pipeline_model_parallel_size 2 = 4 does not divide world size 2" \
+        in str(e.value)
 
 
 def test_layout_error_shows_the_arithmetic():

@@ -1,0 +1,138 @@
+"""Megatron-Core model construction: a `GPTModel` (local layer spec, RMSNorm) from an HF config, loaded with the
+HF weights of a local directory, for this rank's (tp, pp) position. Needs megatron parallel_state initialized.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nemo_grpo.backends.mcore.weights import ModelSpec
+
+
+class ScalarHead(nn.Module):
+    """Replaces GPTModel.output_layer on the last stage: hidden [s(/tp under SP), b, h] -> ([s, b, 1], None).
+
+    Replicated over TP (the decoder output is full-hidden on every TP rank); the parameter is named
+    `output_layer.weight` [1, h] like HF `score.weight` (no bias)."""
+
+    def __init__(self, hidden: int, sequence_parallel: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden))
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None, **kwargs):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+        return hidden_states @ self.weight.t(), None  # [s, b, 1]
+
+
+def transformer_config(spec: ModelSpec, mcfg, dtype: torch.dtype):
+    """ModelSpec + policy.megatron_cfg -> megatron TransformerConfig (no dropout, no fusions, per-token loss)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tp, pp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+        if mcfg.activation_checkpointing else {}
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden, ffn_hidden_size=spec.ffn,
+        num_attention_heads=spec.heads, num_query_groups=spec.kv_heads, kv_channels=spec.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=spec.eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        sequence_parallel=bool(mcfg.sequence_parallel and tp > 1),
+        params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=True, perform_initialization=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        calculate_per_token_loss=True,  # the schedule passes our loss contributions through undivided
+        **recompute)
+
+
+def build_gpt(spec: ModelSpec, config) -> nn.Module:
+    """The GPTModel chunk of this rank's pipeline stage (scalar head on the last stage when spec.scalar_head)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    post = ps.is_pipeline_last_stage()
+    if spec.transformer_engine:  # fused norm + linear kernels; weights.py names the norms accordingly
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    else:
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=spec.padded_vocab, max_sequence_length=spec.max_positions,
+        pre_process=ps.is_pipeline_first_stage(), post_process=post,
+        share_embeddings_and_output_weights=spec.tied, position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta), parallel_output=True)
+    if spec.scalar_head and post:
+        model.output_layer = ScalarHead(spec.hidden, config.sequence_parallel)
+    return model
+
+
+def hf_tensor_reader(model_dir: str) -> Callable[[str], torch.Tensor]:
+    """name -> tensor from the safetensors files of an HF directory (read lazily; one open handle per file)."""
+    from safetensors import safe_open
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            where = {k: os.path.join(model_dir, v) for k, v in json.load(f)["weight_map"].items()}
+    else:
+        where = {}
+        for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+            with safe_open(path, "pt") as f:
+                where.update({k: path for k in f.keys()})
+    if not where:
+        raise FileNotFoundError(f"megatron back end: no *.safetensors weights in {model_dir}")
+    handles: dict[str, object] = {}
+
+    def get(name: str) -> torch.Tensor:
+        if name not in where:
+            raise KeyError(f"megatron back end: tensor '{name}' is not in {model_dir}")
+        path = where[name]
+        if path not in handles:
+            handles[path] = safe_open(path, "pt")
+        return handles[path].get_tensor(name).float()
+
+    return get
+
+
+def load_local(model: nn.Module, local: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's shards into the model; every parameter must be covered and every shard used."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(local))
+    unexpected = sorted(set(local) - set(params))
+    if missing or unexpected:
+        raise RuntimeError(f"megatron weight mapping: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            if tuple(local[name].shape) != tuple(p.shape):
+                raise RuntimeError(f"megatron weight mapping: {name} has shape {tuple(local[name].shape)}, "
+                                   f"the model expects {tuple(p.shape)}")
+            p.copy_(local[name])
+
+
+def mark_tensor_parallel(model: nn.Module, split_dims: dict[str, int]) -> None:
+    """Set Megatron's TP attributes (`tensor_model_parallel`, `partition_dim`) on the split parameters: Megatron
+    sets them only when it initializes weights itself (perform_initialization), and its gradient-norm and
+    optimizer code, like ours, tell split parameters from TP-replicated ones by them."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    params = dict(model.named_parameters())
+    for name, dim in split_dims.items():
+        if not hasattr(params[name], "tensor_model_parallel"):  # (biases get them even without initialization)
+            set_tensor_model_parallel_attributes(params[name], True, dim, 1)
+
