@@ -8,129 +8,14 @@ on disk come before the first training step.
 """
 
 import os
-import sys
 
 import pytest
-import ray
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from policy_checks import (CLUSTER, TokenPGLoss, check_train_parity, export_state, hf_logprobs, load_hf, make_batch,
+                           max_diff, policy_config, reference_train)
+from transformers import AutoModelForSequenceClassification
 
-from nemo_grpo.config import ClusterConfig, PolicyConfig
 from nemo_grpo.policy import Policy
-
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test loss travels to the actors by value
-
-TEMPERATURE = 0.7
-CLUSTER = ClusterConfig(gpus_per_node=2, num_nodes=1, num_threads_per_worker=1)
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-class TokenPGLoss:
-    """-(logprobs * advantages * mask).sum() / global_valid_toks: an additive contribution per the contract.
-    Metrics also check that the micro-batch carries extra keys ("extra" [b], "text" list) sliced along dim 0."""
-
-    def __call__(self, logprobs, mb, global_valid_seqs, global_valid_toks):
-        mask = mb["token_mask"] * mb["sample_mask"][:, None]  # [b, T]
-        loss = -(logprobs * mb["advantages"] * mask).sum() / global_valid_toks
-        return loss, {"pg_loss": loss.detach(), "seq_fraction": mb["sample_mask"].sum() / global_valid_seqs,
-                      "extra_sum": mb["extra"].sum(), "num_texts": float(len(mb["text"]))}
-
-
-def make_batch(n: int, seed: int, t: int = 12, vocab: int = 50) -> dict:
-    """Right-padded rows of mixed lengths (one full, one of 3 tokens), prompt of 2-3 tokens, one masked sample."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(4, t + 1, (n,), generator=g)
-    lengths[0], lengths[min(1, n - 1)] = t, 3
-    pos = torch.arange(t)[None, :]
-    real = pos < lengths[:, None]
-    prompt = torch.randint(2, 4, (n, 1), generator=g)
-    token_mask = (real & (pos >= prompt)).float()  # [n, t]
-    sample_mask = torch.ones(n)
-    sample_mask[n // 2] = 0.0
-    return {"input_ids": torch.randint(3, vocab, (n, t), generator=g) * real, "input_lengths": lengths,
-            "token_mask": token_mask, "sample_mask": sample_mask,
-            "advantages": torch.randn(n, t, generator=g) * token_mask,
-            "prev_logprobs": torch.zeros(n, t), "generation_logprobs": torch.zeros(n, t),
-            "extra": torch.arange(n, dtype=torch.float32), "text": [f"row{i}" for i in range(n)]}
-
-
-def hf_logprobs(model, batch: dict) -> torch.Tensor:
-    """Single-process reference: [B, T] log p(x_t | x_<t) at temperature TEMPERATURE, 0 at column 0 / padding."""
-    ids, lengths = batch["input_ids"], batch["input_lengths"]
-    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
-    logits = model(input_ids=ids, attention_mask=mask).logits.float() / TEMPERATURE
-    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1) * mask[:, 1:]
-    return torch.cat([torch.zeros(ids.shape[0], 1), lp], dim=1)
-
-
-def load_hf(path: str, state: dict = None):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if state is not None:
-        model.load_state_dict(state)
-    return model
-
-
-def reference_train(path: str, state: dict, batch: dict, cfg: PolicyConfig):
-    """Plain HF + torch AdamW + torch clip_grad_norm_ over the whole global batch; (state, losses, norms, lrs)."""
-    model = load_hf(path, state).train()
-    o = cfg.optimizer
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    warm = o.warmup_steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
-    gbs, n = cfg.train_global_batch_size, batch["input_ids"].shape[0]
-    losses, norms, lrs = [], [], []
-    for s in range(0, n, gbs):
-        gb = {k: v[s:s + gbs] for k, v in batch.items()}
-        mask = gb["token_mask"] * gb["sample_mask"][:, None]
-        opt.zero_grad()
-        loss = -(hf_logprobs(model, gb) * gb["advantages"] * mask).sum() / mask.sum()
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
-        losses.append(float(loss.detach()))
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return model.state_dict(), losses, norms, lrs
-
-
-def export_state(policy: Policy) -> dict:
-    return {k: v for bucket in policy.export_weights(64.0) for k, v in bucket.items()}
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert set(a) == set(b)
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def policy_config(path: str, tp: int = 1, **overrides) -> PolicyConfig:
-    cfg = PolicyConfig(model_name=path, train_global_batch_size=4, train_micro_batch_size=1, logprob_batch_size=2,
-                       max_grad_norm=0.05)
-    cfg.optimizer.lr, cfg.optimizer.warmup_steps = 1e-2, 2
-    cfg.generation.temperature = TEMPERATURE
-    cfg.dtensor_cfg.tensor_parallel_size = tp
-    for key, value in overrides.items():
-        obj, _, field = key.rpartition(".")
-        setattr(cfg if not obj else getattr(cfg, obj), field, value)
-    return cfg
-
-
-def check_train_parity(policy: Policy, path: str, batch: dict) -> dict:
-    """One train call (several global batches) vs reference_train from the policy's current weights."""
-    start = export_state(policy)
-    metrics = policy.train(batch, TokenPGLoss())
-    ref_state, losses, norms, lrs = reference_train(path, start, batch, policy.cfg)
-    got = export_state(policy)
-    assert max_diff(got, start) > 1e-3  # the step moved the weights
-    assert max_diff(got, ref_state) <= 1e-4
-    steps = len(losses)
-    assert min(norms) > policy.cfg.max_grad_norm  # clipping was active
-    assert metrics["grad_norm"] == pytest.approx(sum(norms) / steps, rel=1e-4)
-    assert metrics["pg_loss"] == pytest.approx(sum(losses) / steps, rel=1e-4, abs=1e-6)
-    assert metrics["lr"] == pytest.approx(sum(lrs) / steps)
-    assert metrics["seq_fraction"] == pytest.approx(1.0)
-    assert metrics["extra_sum"] == pytest.approx(float(batch["extra"].sum()) / steps)
-    assert metrics["num_texts"] == pytest.approx(len(batch["text"]) / steps)
-    return metrics
 
 
 # ---------------------------------------------------------------------------------------------- FSDP2, dp=2
@@ -219,8 +104,8 @@ class TestFSDP:
 @pytest.fixture(scope="class")
 def tp_qwen3(ray_cluster, tiny_model_dir):
     path = tiny_model_dir("qwen3")
-    cfg = policy_config(path, tp=2, train_micro_batch_size=4, logprob_batch_size=3,
-                        **{"dtensor_cfg.activation_checkpointing": True})
+    cfg = policy_config(path, train_micro_batch_size=4, logprob_batch_size=3,
+                        **{"dtensor_cfg.tensor_parallel_size": 2, "dtensor_cfg.activation_checkpointing": True})
     policy = Policy(cfg, CLUSTER, path)
     yield policy, path
     policy.shutdown()
@@ -259,7 +144,7 @@ def test_logprobs_match_hf_other_archs(ray_cluster, tiny_model_dir, arch, tp):
     batch = make_batch(5, seed=7)
     with torch.no_grad():
         ref = hf_logprobs(load_hf(path).eval(), batch)
-    with Policy(policy_config(path, tp=tp), CLUSTER, path) as policy:
+    with Policy(policy_config(path, **{"dtensor_cfg.tensor_parallel_size": tp}), CLUSTER, path) as policy:
         assert (policy.get_logprobs(batch) - ref).abs().max().item() <= 1e-5
 
 
@@ -271,7 +156,7 @@ def test_score_matches_sequence_classifier(ray_cluster, tiny_model_dir, tp):
     mask = (torch.arange(batch["input_ids"].shape[1])[None, :] < batch["input_lengths"][:, None]).long()
     with torch.no_grad():
         ref = model(input_ids=batch["input_ids"], attention_mask=mask).logits[:, 0]  # [B]
-    with Policy(policy_config(path, tp=tp), CLUSTER, path, scalar_head=True) as policy:
+    with Policy(policy_config(path, **{"dtensor_cfg.tensor_parallel_size": tp}), CLUSTER, path, scalar_head=True) as policy:
         scores = policy.score(batch)
         with pytest.raises(RuntimeError, match="scalar head"):
             policy.get_logprobs(batch)

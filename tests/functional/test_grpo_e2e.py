@@ -28,9 +28,10 @@ def read_metrics(log_dir, prefix):
 
 
 @pytest.mark.slow
-def test_default_recipe_learns(tmp_path):
-    """The issue's criterion: mean reward of the last 10 steps >= first 10 + 0.3, fixed seed."""
-    run_train(tmp_path)
+@pytest.mark.parametrize("backend", ["dtensor", "megatron"])
+def test_default_recipe_learns(tmp_path, backend):
+    """The issue's criterion: mean reward of the last 10 steps >= first 10 + 0.3, fixed seed; on each back end."""
+    run_train(tmp_path, f"policy.backend={backend}")
     train = read_metrics(f"{tmp_path}/logs", "train")
     rewards = [r["reward"] for r in train]
     assert len(rewards) == 400
