@@ -50,7 +50,7 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1  # must divide the model's num_hidden_layers
     sequence_parallel: bool = False  # with tp > 1: activations outside attention/MLP split along the sequence
     context_parallel_size: int = 1  # only 1 is supported so far (rejected otherwise, with a message)
-    use_distributed_optimizer: bool = False  # not implemented yet (rejected with a message)
+    use_distributed_optimizer: bool = False  # optimizer state sharded over the data-parallel ranks (ZeRO-1)
     activation_checkpointing: bool = False  # full recomputation of every layer in the backward pass
     layer_spec: str = "local"  # local (torch modules) | transformer_engine (needs Transformer Engine)
 
@@ -396,8 +396,6 @@ def validate_megatron_layout(p: PolicyConfig, world: int, where: str = "") -> No
           f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} = {tp * pp} does not divide {where}")
     _need(m.context_parallel_size == 1, key + "context_parallel_size",
           f"got {m.context_parallel_size}; context parallelism is not built yet: only 1 is supported")
-    _need(not m.use_distributed_optimizer, key + "use_distributed_optimizer",
-          "true is not supported yet: the megatron back end steps a torch optimizer on each rank's shards")
     _choice(m.layer_spec, key + "layer_spec", ["local", "transformer_engine"])
     _need(m.layer_spec == "local" or importlib.util.find_spec("transformer_engine") is not None,
           key + "layer_spec", "transformer_engine needs Transformer Engine installed (the gpu extra); use local")

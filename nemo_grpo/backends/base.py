@@ -86,14 +86,20 @@ def lr_warmup_factor(warmup_steps: int) -> Callable[[int], float]:
     return factor
 
 
-def build_optimizer(params, opt_cfg) -> torch.optim.Optimizer:
-    """policy.optimizer (adamw | sgd) over `params`."""
+def optimizer_class(opt_cfg) -> tuple[type, dict[str, Any]]:
+    """policy.optimizer (adamw | sgd) -> (torch optimizer class, its keyword arguments)."""
     if opt_cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps,
-                                 weight_decay=opt_cfg.weight_decay)
+        return torch.optim.AdamW, dict(lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps,
+                                       weight_decay=opt_cfg.weight_decay)
     if opt_cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
+        return torch.optim.SGD, dict(lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
     raise ValueError(f"policy.optimizer.name '{opt_cfg.name}' is unknown; known: adamw, sgd")
+
+
+def build_optimizer(params, opt_cfg) -> torch.optim.Optimizer:
+    """policy.optimizer over `params`."""
+    cls, kwargs = optimizer_class(opt_cfg)
+    return cls(params, **kwargs)
 
 
 def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: float) -> list[list[str]]:
@@ -150,7 +156,7 @@ class PolicyWorker(ABC):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(seed)
         self._build_model()
-        self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optimizer)
+        self.optimizer = self._make_optimizer([p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lr_warmup_factor(cfg.optimizer.warmup_steps))
         self.reference: Optional[dict[str, torch.Tensor]] = None
@@ -200,6 +206,10 @@ class PolicyWorker(ABC):
     @abstractmethod
     def load_checkpoint(self, path: str) -> None:
         """Collective: restore what save_checkpoint wrote."""
+
+    def _make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer over this rank's trainable parameters (policy.optimizer)."""
+        return build_optimizer(params, self.cfg.optimizer)
 
     def _hf_config(self):
         """The transformers config of the model actually built (architecture, num_labels), saved with it."""

@@ -60,8 +60,6 @@ BAD = [
       "policy.megatron_cfg.pipeline_model_parallel_size=2"], "policy.megatron_cfg.tensor_model_parallel_size"),
     (["policy.backend=megatron", "policy.megatron_cfg.context_parallel_size=2"],
      "policy.megatron_cfg.context_parallel_size"),
-    (["policy.backend=megatron", "policy.megatron_cfg.use_distributed_optimizer=true"],
-     "policy.megatron_cfg.use_distributed_optimizer"),
     (["policy.backend=megatron", "policy.megatron_cfg.layer_spec=fast"], "policy.megatron_cfg.layer_spec"),
     (["policy.backend=megatron", "policy.megatron_cfg.layer_spec=transformer_engine"],
      "policy.megatron_cfg.layer_spec"),  # Transformer Engine is not installed on the CPU stack

@@ -273,15 +273,49 @@ class MegatronPolicyWorker(PolicyWorker):
     def _rank_file(self, path: str) -> str:
         return os.path.join(path, f"worker_state_rank{self.rank:05d}.pt")
 
-    def _optimizer_moments(self) -> tuple[list[str], dict[str, torch.Tensor]]:
-        """(names of the per-parameter optimizer tensors, e.g. exp_avg / exp_avg_sq; scalar states by key)."""
-        states = [self.optimizer.state.get(p, {}) for p in self.params.values()]
-        if not states or not states[0]:
-            return [], {}
-        first = states[0]
-        moments = [k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        scalars = {k: v for k, v in first.items() if k not in moments}
-        return moments, scalars
+    def _make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """use_distributed_optimizer: the optimizer state sharded over the data-parallel group (ZeRO-1, torch's
+        ZeroRedundancyOptimizer: each DP rank steps its share of the parameters and broadcasts them)."""
+        if not self.cfg.megatron_cfg.use_distributed_optimizer or self.dp_size == 1:
+            return super()._make_optimizer(params)
+        from megatron.core import parallel_state as ps
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        from nemo_grpo.backends.base import optimizer_class
+
+        cls, kwargs = optimizer_class(self.cfg.optimizer)
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=ps.get_data_parallel_group(),
+                                       **kwargs)
+
+    @property
+    def _optimizer_state(self) -> dict:
+        """param -> its optimizer state on this rank (sharded: only the parameters this DP rank steps)."""
+        return getattr(self.optimizer, "optim", self.optimizer).state
+
+    def _owned(self, p: torch.nn.Parameter) -> bool:
+        local = getattr(self.optimizer, "optim", self.optimizer)
+        return any(p is q for group in local.param_groups for q in group["params"])
+
+    def _optimizer_moments(self) -> tuple[list[str], dict[str, Any]]:
+        """Collective: (names of the per-parameter optimizer tensors, e.g. exp_avg / exp_avg_sq; the scalar
+        states by key), as rank 0 sees them (every rank steps at least one parameter's state with rank 0)."""
+        state = next((v for v in self._optimizer_state.values() if v), {})
+        moments = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        box = [(moments, {k: v for k, v in state.items() if k not in moments})]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _full_moment(self, key: str) -> dict[str, torch.Tensor]:
+        """Collective: Megatron parameter name -> this rank's (TP / PP shard of the) optimizer tensor `key`; under
+        the sharded optimizer the DP ranks sum their shares (zeros where another rank owns the state)."""
+        from megatron.core import parallel_state as ps
+
+        state = self._optimizer_state
+        local = {n: state[p][key] if p in state and key in state[p] else torch.zeros_like(p)
+                 for n, p in self.params.items()}
+        if self.optimizer is not getattr(self.optimizer, "optim", self.optimizer):
+            _all_reduce_flat(list(local.values()), ps.get_data_parallel_group())
+        return local
 
     def save_checkpoint(self, path: str) -> None:
         """DCP of HF-named full tensors: model/<name>, optim/<moment>/<name> (written from rank 0), plus a per-rank
@@ -293,8 +327,7 @@ class MegatronPolicyWorker(PolicyWorker):
         state = {f"model/{k}": v for k, v in self._gather_hf(names, self._local_weights()).items()}
         moments, scalars = self._optimizer_moments()
         for key in moments:
-            local = {n: self.optimizer.state[p][key] for n, p in self.params.items()}
-            state.update({f"optim/{key}/{k}": v for k, v in self._gather_hf(names, local).items()})
+            state.update({f"optim/{key}/{k}": v for k, v in self._gather_hf(names, self._full_moment(key)).items()})
         dcp.save(state if self.rank == 0 else {}, checkpoint_id=path)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
@@ -310,25 +343,19 @@ class MegatronPolicyWorker(PolicyWorker):
         own = os.path.isfile(self._rank_file(path))
         extra = torch.load(self._rank_file(path) if own else os.path.join(path, "worker_state_rank00000.pt"),
                            weights_only=False)
-        state = {f"model/{e.hf}": torch.empty(e.shape) for e in self.entries.values() if e.hf not in self.tied_aliases}
+        names = [e.hf for e in self.entries.values() if e.hf not in self.tied_aliases]
+        loaded = {f"model/{n}": torch.empty(self.entries[n].shape) for n in names}
         for key in extra["moments"]:
-            state.update({f"optim/{key}/{e.hf}": torch.empty(e.shape) for e in self.entries.values()
-                          if e.hf not in self.tied_aliases})
-        dcp.load(state, checkpoint_id=path)
+            loaded.update({f"optim/{key}/{n}": torch.empty(self.entries[n].shape) for n in names})
+        dcp.load(loaded, checkpoint_id=path)
         m = self.cfg.megatron_cfg
         shard = partial(weights.to_megatron, s=self.spec, tp=m.tensor_model_parallel_size, tp_rank=self.tp_rank,
                         pp=m.pipeline_model_parallel_size, pp_rank=self.pp_rank)
         with torch.no_grad():
-            for n, t in shard(lambda name: state[f"model/{name}"]).items():
+            for n, t in shard(lambda name: loaded[f"model/{name}"]).items():
                 self.params[n].copy_(t)
-        self.optimizer.state.clear()
-        for key in extra["moments"]:
-            for n, t in shard(lambda name: state[f"optim/{key}/{name}"]).items():
-                self.optimizer.state[self.params[n]][key] = t.to(self.device).clone()
-        for p in self.params.values():
-            if extra["moments"]:
-                self.optimizer.state[p].update({k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                                for k, v in extra["scalars"].items()})
+        self._load_optimizer_state({key: shard(lambda name: loaded[f"optim/{key}/{name}"])
+                                    for key in extra["moments"]}, extra["scalars"])
         self.scheduler.load_state_dict(extra["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
@@ -337,6 +364,17 @@ class MegatronPolicyWorker(PolicyWorker):
             random.setstate(extra["rng"]["python"])
             if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(extra["rng"]["cuda"])
+
+    def _load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], scalars: dict[str, Any]) -> None:
+        """moments: key -> Megatron parameter name -> this rank's shard; set for the parameters this rank steps."""
+        state = self._optimizer_state
+        state.clear()
+        if not moments:
+            return
+        for n, p in self.params.items():
+            if self._owned(p):
+                state[p].update({key: by_name[n].to(self.device).clone() for key, by_name in moments.items()})
+                state[p].update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()})
 
     # ------------------------------------------------------------------------------------------ memory
     def offload(self) -> None:
