@@ -387,8 +387,6 @@ def _validate_parallel(cfg: MasterConfig) -> None:
 def validate_megatron_layout(p: PolicyConfig, world: int, where: str = "") -> None:
     """policy.megatron_cfg against the world size (also called by the back end before any actor starts)."""
     m, key, where = p.megatron_cfg, "policy.megatron_cfg.", where or f"world size {world}"
-    _need(p.precision == "float32", "policy.precision",
-          f"got {p.precision}; the megatron back end runs float32 only so far (bfloat16: policy.backend=dtensor)")
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     _need(tp > 0, key + "tensor_model_parallel_size", "must be > 0")
     _need(pp > 0, key + "pipeline_model_parallel_size", "must be > 0")

@@ -211,6 +211,9 @@ class PolicyWorker(ABC):
         """The optimizer over this rank's trainable parameters (policy.optimizer)."""
         return build_optimizer(params, self.cfg.optimizer)
 
+    def _after_optimizer_step(self) -> None:
+        """Hook right after optimizer.step() (e.g. copy fp32 master weights into low-precision parameters)."""
+
     def _hf_config(self):
         """The transformers config of the model actually built (architecture, num_labels), saved with it."""
         return self.model.config
@@ -316,6 +319,7 @@ class PolicyWorker(ABC):
         grad_norm = self._clip_grad_norm(self.cfg.max_grad_norm)
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
+        self._after_optimizer_step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {**totals, "grad_norm": grad_norm, "lr": lr}

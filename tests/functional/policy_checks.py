@@ -126,3 +126,22 @@ def check_train_parity(policy: Policy, path: str, batch: dict) -> dict:
     assert metrics["extra_sum"] == pytest.approx(float(batch["extra"].sum()) / steps)
     assert metrics["num_texts"] == pytest.approx(len(batch["text"]) / steps)
     return metrics
+
+
+def check_bf16_step(policy: Policy, path: str, batch: dict) -> None:
+    """A bf16 policy (fp32 master weights): bf16 compute is really on and close to fp32 before and after a step."""
+    start = export_state(policy)
+    with torch.no_grad():
+        ref_before = hf_logprobs(load_hf(path).eval(), batch)
+    err_before = (policy.get_logprobs(batch) - ref_before).abs().max().item()
+    metrics = policy.train(batch, TokenPGLoss())
+    got = export_state(policy)
+    ref_state, _, norms, _ = reference_train(path, start, batch, policy.cfg)
+    with torch.no_grad():
+        ref_after = hf_logprobs(load_hf(path, ref_state).eval(), batch)
+    lp_after = policy.get_logprobs(batch)
+    assert 1e-5 < err_before < 0.03, err_before  # bf16 compute is really on, and close (DTensor: 3.6e-3)
+    assert all(v.dtype == torch.float32 for v in got.values())  # fp32 master weights
+    assert max_diff(got, start) > 1e-3
+    assert metrics["grad_norm"] == pytest.approx(norms[0], rel=0.05)
+    assert (lp_after - ref_after).abs().max().item() < 0.1  # DTensor: 1.9e-2 after one step at lr 1e-2

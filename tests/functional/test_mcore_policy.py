@@ -9,8 +9,8 @@ import os
 
 import pytest
 import torch
-from policy_checks import (CLUSTER, TokenPGLoss, check_train_parity, export_state, hf_logprobs, load_hf, make_batch,
-                           max_diff, policy_config, reference_train)
+from policy_checks import (CLUSTER, TokenPGLoss, check_bf16_step, check_train_parity, export_state, hf_logprobs,
+                           load_hf, make_batch, max_diff, policy_config, reference_train)
 from transformers import AutoModelForSequenceClassification
 
 from nemo_grpo.config import ClusterConfig
@@ -169,6 +169,14 @@ def test_score_matches_sequence_classifier(ray_cluster, tiny_model_dir, layout):
         scores = policy.score(batch)
     assert scores.shape == ref.shape
     assert (scores - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])
+def test_bf16_step_stays_close_to_fp32(ray_cluster, tiny_model_dir, layout):
+    """bf16 parameters and activations (pipeline p2p in bf16 under PP), fp32 masters and gradient accumulation."""
+    path = tiny_model_dir("qwen2")
+    with megatron_policy(path, layout, precision="bfloat16") as policy:
+        check_bf16_step(policy, path, make_batch(4, seed=9))
 
 
 def test_bad_layout_fails_before_start(tiny_model_dir):

@@ -63,7 +63,6 @@ BAD = [
     (["policy.backend=megatron", "policy.megatron_cfg.layer_spec=fast"], "policy.megatron_cfg.layer_spec"),
     (["policy.backend=megatron", "policy.megatron_cfg.layer_spec=transformer_engine"],
      "policy.megatron_cfg.layer_spec"),  # Transformer Engine is not installed on the CPU stack
-    (["policy.backend=megatron", "policy.precision=bfloat16"], "policy.precision"),  # fp32 only so far
 ]
 
 

@@ -22,9 +22,9 @@ class ScalarHead(nn.Module):
     Replicated over TP (the decoder output is full-hidden on every TP rank); the parameter is named
     `output_layer.weight` [1, h] like HF `score.weight` (no bias)."""
 
-    def __init__(self, hidden: int, sequence_parallel: bool):
+    def __init__(self, hidden: int, sequence_parallel: bool, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(1, hidden))
+        self.weight = nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
         self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None, **kwargs):
@@ -50,7 +50,7 @@ def transformer_config(spec: ModelSpec, mcfg, dtype: torch.dtype):
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         sequence_parallel=bool(mcfg.sequence_parallel and tp > 1),
-        params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=True, perform_initialization=False,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=True, perform_initialization=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         calculate_per_token_loss=True,  # the schedule passes our loss contributions through undivided
@@ -78,7 +78,7 @@ def build_gpt(spec: ModelSpec, config) -> nn.Module:
         share_embeddings_and_output_weights=spec.tied, position_embedding_type="rope",
         rotary_base=int(spec.rope_theta), parallel_output=True)
     if spec.scalar_head and post:
-        model.output_layer = ScalarHead(spec.hidden, config.sequence_parallel)
+        model.output_layer = ScalarHead(spec.hidden, config.sequence_parallel, config.params_dtype)
     return model
 
 

@@ -63,7 +63,8 @@ class MegatronPolicyWorker(PolicyWorker):
             self.hf_config = self._hf_config_of(AutoConfig.from_pretrained(self.model_path))
             self.spec = weights.model_spec(self.hf_config, tp, pp, self.scalar_head,
                                            transformer_engine=m.layer_spec == "transformer_engine")
-            self.mconfig = mmodel.transformer_config(self.spec, m, torch.float32)
+            dtype = torch.bfloat16 if self.cfg.precision == "bfloat16" else torch.float32
+            self.mconfig = mmodel.transformer_config(self.spec, m, dtype)
             model = mmodel.build_gpt(self.spec, self.mconfig).to(self.device)
         self.tp_size, self.pp_size = tp, pp
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
@@ -76,8 +77,42 @@ class MegatronPolicyWorker(PolicyWorker):
         mmodel.mark_tensor_parallel(model, weights.tp_split_dims(self.spec, pp, self.pp_rank))
         self.model = model
         self.params = dict(model.named_parameters())
+        self.main = self._main_params(local)
         self.entries = {e.hf: e for e in weights.entries(self.spec, pp)}
         self.tied_aliases = weights.tied_aliases(self.spec)
+
+    def _main_params(self, local: dict[str, torch.Tensor]) -> dict[str, torch.nn.Parameter]:
+        """The tensors the optimizer steps, by Megatron name: the parameters themselves in fp32; in bf16, fp32
+        master copies made from the checkpoint's fp32 tensors, whose .grad accumulates each backward's bf16
+        gradient in fp32 (the bf16 .grad is dropped right after: Megatron's main_grad scheme)."""
+        if self.mconfig.params_dtype == torch.float32:
+            return self.params
+        main = {n: torch.nn.Parameter(local[n].to(self.device, torch.float32)) for n in self.params}
+        for n, p in self.params.items():
+            p.register_post_accumulate_grad_hook(partial(_accumulate_into, main[n]))
+        return main
+
+    def _make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """Over the main parameters. use_distributed_optimizer: their state sharded over the data-parallel
+        group (ZeRO-1, torch's ZeroRedundancyOptimizer: each DP rank steps its share and broadcasts it)."""
+        params = list(self.main.values())
+        if not self.cfg.megatron_cfg.use_distributed_optimizer or self.dp_size == 1:
+            return super()._make_optimizer(params)
+        from megatron.core import parallel_state as ps
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        from nemo_grpo.backends.base import optimizer_class
+
+        cls, kwargs = optimizer_class(self.cfg.optimizer)
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=ps.get_data_parallel_group(),
+                                       **kwargs)
+
+    @torch.no_grad()
+    def _after_optimizer_step(self) -> None:
+        """bf16: the updated fp32 masters rounded into the model's parameters."""
+        if self.main is not self.params:
+            for n, p in self.params.items():
+                p.copy_(self.main[n])
 
     def _hf_config_of(self, hf_config):
         """The HF config of the model actually built (architecture name matching the head, num_labels=1)."""
@@ -191,7 +226,7 @@ class MegatronPolicyWorker(PolicyWorker):
     def _grads(self, names) -> list[torch.Tensor]:
         out = []
         for n in names:
-            p = self.params[n]
+            p = self.main[n]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             out.append(p.grad)
@@ -206,10 +241,8 @@ class MegatronPolicyWorker(PolicyWorker):
                      if any(k in n for k in REPLICATED_PARTIAL) or getattr(p, "sequence_parallel", False)]
             _all_reduce_flat(self._grads(names), ps.get_tensor_model_parallel_group())
         if self.spec.tied and self.pp_size > 1 and (self.pp_rank in (0, self.pp_size - 1)):
-            shared = self.model.shared_embedding_or_output_weight()
-            if shared.grad is None:
-                shared.grad = torch.zeros_like(shared)
-            dist.all_reduce(shared.grad, group=ps.get_embedding_group())
+            shared = "embedding.word_embeddings.weight" if self.pp_rank == 0 else "output_layer.weight"
+            dist.all_reduce(self._grads([shared])[0], group=ps.get_embedding_group())
         if self.dp_size > 1:
             _all_reduce_flat(self._grads(list(self.params)), ps.get_data_parallel_group())
 
@@ -218,17 +251,18 @@ class MegatronPolicyWorker(PolicyWorker):
         from megatron.core import parallel_state as ps
 
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in self.params.values():
+        for n, p in self.params.items():
             duplicate = getattr(p, "shared", False) or (
                 self.tp_rank > 0 and not getattr(p, "tensor_model_parallel", False))
-            if p.grad is not None and not duplicate:
-                sq = sq + p.grad.detach().float().pow(2).sum()
+            grad = self.main[n].grad
+            if grad is not None and not duplicate:
+                sq = sq + grad.detach().float().pow(2).sum()
         dist.all_reduce(sq, group=ps.get_model_parallel_group())
         norm = float(sq.sqrt())
         if max_norm is not None and norm == norm:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
-                for p in self.params.values():
+                for p in self.main.values():
                     if p.grad is not None:
                         p.grad.mul_(coef)
         return norm
@@ -267,25 +301,12 @@ class MegatronPolicyWorker(PolicyWorker):
         return out
 
     def _export_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
-        return self._gather_hf(names, self._local_weights())
+        """Full HF tensors of the main (in bf16: the fp32 master) weights."""
+        return self._gather_hf(names, {n: p.detach() for n, p in self.main.items()})
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _rank_file(self, path: str) -> str:
         return os.path.join(path, f"worker_state_rank{self.rank:05d}.pt")
-
-    def _make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        """use_distributed_optimizer: the optimizer state sharded over the data-parallel group (ZeRO-1, torch's
-        ZeroRedundancyOptimizer: each DP rank steps its share of the parameters and broadcasts them)."""
-        if not self.cfg.megatron_cfg.use_distributed_optimizer or self.dp_size == 1:
-            return super()._make_optimizer(params)
-        from megatron.core import parallel_state as ps
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        from nemo_grpo.backends.base import optimizer_class
-
-        cls, kwargs = optimizer_class(self.cfg.optimizer)
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=ps.get_data_parallel_group(),
-                                       **kwargs)
 
     @property
     def _optimizer_state(self) -> dict:
@@ -312,7 +333,7 @@ class MegatronPolicyWorker(PolicyWorker):
 
         state = self._optimizer_state
         local = {n: state[p][key] if p in state and key in state[p] else torch.zeros_like(p)
-                 for n, p in self.params.items()}
+                 for n, p in self.main.items()}
         if self.optimizer is not getattr(self.optimizer, "optim", self.optimizer):
             _all_reduce_flat(list(local.values()), ps.get_data_parallel_group())
         return local
@@ -324,7 +345,7 @@ class MegatronPolicyWorker(PolicyWorker):
 
         os.makedirs(path, exist_ok=True)
         names = list(self.entries)
-        state = {f"model/{k}": v for k, v in self._gather_hf(names, self._local_weights()).items()}
+        state = {f"model/{k}": v for k, v in self._export_tensors(names).items()}
         moments, scalars = self._optimizer_moments()
         for key in moments:
             state.update({f"optim/{key}/{k}": v for k, v in self._gather_hf(names, self._full_moment(key)).items()})
@@ -354,6 +375,7 @@ class MegatronPolicyWorker(PolicyWorker):
         with torch.no_grad():
             for n, t in shard(lambda name: loaded[f"model/{name}"]).items():
                 self.params[n].copy_(t)
+                self.main[n].copy_(t)
         self._load_optimizer_state({key: shard(lambda name: loaded[f"optim/{key}/{name}"])
                                     for key in extra["moments"]}, extra["scalars"])
         self.scheduler.load_state_dict(extra["scheduler"])
@@ -371,7 +393,7 @@ class MegatronPolicyWorker(PolicyWorker):
         state.clear()
         if not moments:
             return
-        for n, p in self.params.items():
+        for p in self.main.values():
             if self._owned(p):
                 state[p].update({key: by_name[n].to(self.device).clone() for key, by_name in moments.items()})
                 state[p].update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()})
@@ -413,3 +435,11 @@ def _fit_columns(ids: torch.Tensor, width: int) -> torch.Tensor:
     the real positions)."""
     t = ids.shape[1]
     return ids[:, :width] if t >= width else torch.nn.functional.pad(ids, (0, width - t))
+
+
+def _accumulate_into(main: torch.nn.Parameter, param: torch.nn.Parameter) -> None:
+    """Post-accumulate-grad hook of a bf16 parameter: add its gradient to the fp32 master's, then drop it."""
+    grad = param.grad.float()
+    main.grad = grad if main.grad is None else main.grad.add_(grad)
+    param.grad = None
+
