@@ -226,10 +226,26 @@ class PolicyWorker(ABC):
         (the last micro-batch of a step always has it True)."""
 
     def offload(self) -> None:
-        """Move model and optimizer state off the accelerator (no-op on CPU)."""
+        """Move model, optimizer parameters (e.g. fp32 masters) and optimizer state off the accelerator (no-op
+        on CPU), e.g. while a colocated engine generates."""
+        if self.device.type == "cuda":
+            self._move(torch.device("cpu"))
+            torch.cuda.empty_cache()
 
     def onload(self) -> None:
         """Bring them back (no-op on CPU)."""
+        if self.device.type == "cuda":
+            self._move(self.device)
+
+    def _move(self, device: torch.device) -> None:
+        self.model.to(device)
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.data = p.data.to(device)
+        for state in getattr(self.optimizer, "optim", self.optimizer).state.values():  # (sharded: the local one)
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    state[k] = v.to(device)
 
     # ------------------------------------------------------------------------------------------ driver API
     def layout(self) -> dict[str, int]:

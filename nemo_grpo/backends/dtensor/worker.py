@@ -177,20 +177,3 @@ class DTensorPolicyWorker(PolicyWorker):
             random.setstate(extra["rng"]["python"])
             if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(extra["rng"]["cuda"])
-
-    # ------------------------------------------------------------------------------------------ memory
-    def _move(self, device: torch.device) -> None:
-        self.model.to(device)
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and k != "step":
-                    state[k] = v.to(device)
-
-    def offload(self) -> None:
-        if self.device.type == "cuda":
-            self._move(torch.device("cpu"))
-            torch.cuda.empty_cache()
-
-    def onload(self) -> None:
-        if self.device.type == "cuda":
-            self._move(self.device)

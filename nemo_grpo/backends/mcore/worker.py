@@ -393,20 +393,10 @@ class MegatronPolicyWorker(PolicyWorker):
         state.clear()
         if not moments:
             return
-        for p in self.main.values():
+        for n, p in self.main.items():
             if self._owned(p):
                 state[p].update({key: by_name[n].to(self.device).clone() for key, by_name in moments.items()})
                 state[p].update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()})
-
-    # ------------------------------------------------------------------------------------------ memory
-    def offload(self) -> None:
-        if self.device.type == "cuda":
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
-
-    def onload(self) -> None:
-        if self.device.type == "cuda":
-            self.model.to(self.device)
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
