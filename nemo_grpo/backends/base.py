@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import time
 from abc import ABC, abstractmethod
@@ -246,6 +247,35 @@ class PolicyWorker(ABC):
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and k != "step":
                     state[k] = v.to(device)
+
+    # ------------------------------------------------------------------------------------------ checkpoint helpers
+    def _rank_file(self, path: str) -> str:
+        return os.path.join(path, f"worker_state_rank{self.rank:05d}.pt")
+
+    def _save_rank_state(self, path: str, **extra: Any) -> None:
+        """This rank's file beside a checkpoint's shards: scheduler, RNG states and the back end's `extra`."""
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+               "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+        torch.save({"scheduler": self.scheduler.state_dict(), "rng": rng, **extra}, self._rank_file(path))
+
+    def _load_rank_state(self, path: str) -> dict[str, Any]:
+        """save_rank_state's dict (rank 0's when the checkpoint has no file of this rank: another world size),
+        with "own" telling which."""
+        own = os.path.isfile(self._rank_file(path))
+        extra = torch.load(self._rank_file(path) if own else os.path.join(path, "worker_state_rank00000.pt"),
+                           weights_only=False)
+        return {**extra, "own": own}
+
+    def _restore_schedule_and_rng(self, extra: dict[str, Any]) -> None:
+        """The scheduler (and the lr it sets) always; the RNG states only from this rank's own file."""
+        self.scheduler.load_state_dict(extra["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+        if extra["own"]:
+            torch.set_rng_state(extra["rng"]["torch"])
+            random.setstate(extra["rng"]["python"])
+            if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(extra["rng"]["cuda"])
 
     # ------------------------------------------------------------------------------------------ driver API
     def layout(self) -> dict[str, int]:

@@ -32,14 +32,23 @@ class GenerationEngine(ABC):
     def update_weights(self, buckets: Iterator[dict[str, torch.Tensor]]) -> None:
         """Load Hugging-Face-named full tensors, bucket by bucket, into the running engine (no restart)."""
 
+    actor = None  # the Ray actor of a single-replica engine (set by the engines here)
+
     def workers(self) -> list:
         """The Ray actors holding the engine's model replicas (each a generation.refit.WeightReceiver): the
         receivers of a non-colocated refit."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be refit over a collective group "
-                                  "(policy.generation.colocated.enabled=false)")
+        if self.actor is None:
+            raise NotImplementedError(f"{type(self).__name__} cannot be refit over a collective group "
+                                      "(policy.generation.colocated.enabled=false)")
+        return [self.actor]
 
     def shutdown(self) -> None:
         """Free the engine's actors; safe twice."""
+        import ray
+
+        if self.actor is not None:
+            ray.kill(self.actor)
+            self.actor = None
 
 
 def make_generation_engine(cfg, model_path: str, cluster_cfg) -> GenerationEngine:

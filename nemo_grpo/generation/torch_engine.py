@@ -121,13 +121,3 @@ class TorchGeneration(GenerationEngine):
 
         pending = [self.actor.load_bucket.remote(bucket) for bucket in buckets]  # streamed, loaded in order
         ray.get(pending)
-
-    def workers(self) -> list:
-        return [self.actor]
-
-    def shutdown(self) -> None:
-        import ray
-
-        if self.actor is not None:
-            ray.kill(self.actor)
-            self.actor = None

@@ -253,13 +253,3 @@ class VllmGeneration(GenerationEngine):
             ray.get(list(pending))
         finally:
             ray.get(self.actor.finish_refit.remote())  # always close the refit, so the engine can generate
-
-    def workers(self) -> list:
-        return [self.actor]
-
-    def shutdown(self) -> None:
-        import ray
-
-        if self.actor is not None:
-            ray.kill(self.actor)
-            self.actor = None

@@ -9,7 +9,6 @@ gradient finish (Qwen3 q_norm/k_norm all-reduce), the DTensor-aware clipped norm
 from __future__ import annotations
 
 import os
-import random
 from typing import Optional
 
 import torch
@@ -128,9 +127,6 @@ class DTensorPolicyWorker(PolicyWorker):
         return out
 
     # ------------------------------------------------------------------------------------------ checkpoints
-    def _rank_file(self, path: str) -> str:
-        return os.path.join(path, f"worker_state_rank{self.rank:05d}.pt")
-
     def _dcp_state(self, with_optimizer: bool) -> dict:
         """The state dicts DCP writes / fills in place: sharded model (+ optimizer) tensors under HF names."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -148,10 +144,7 @@ class DTensorPolicyWorker(PolicyWorker):
         os.makedirs(path, exist_ok=True)
         has_optim = bool(self.optimizer.state)
         dcp.save(self._dcp_state(has_optim), checkpoint_id=path)
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-               "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-        torch.save({"scheduler": self.scheduler.state_dict(), "rng": rng, "has_optim": has_optim},
-                   self._rank_file(path))
+        self._save_rank_state(path, has_optim=has_optim)
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
@@ -159,9 +152,7 @@ class DTensorPolicyWorker(PolicyWorker):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        own = os.path.isfile(self._rank_file(path))
-        extra = torch.load(self._rank_file(path) if own else os.path.join(path, "worker_state_rank00000.pt"),
-                           weights_only=False)
+        extra = self._load_rank_state(path)
         state = self._dcp_state(extra["has_optim"])
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(self.model, state["model"])
@@ -169,11 +160,4 @@ class DTensorPolicyWorker(PolicyWorker):
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         else:
             self.optimizer.state.clear()
-        self.scheduler.load_state_dict(extra["scheduler"])
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr
-        if own:
-            torch.set_rng_state(extra["rng"]["torch"])
-            random.setstate(extra["rng"]["python"])
-            if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state(extra["rng"]["cuda"])
+        self._restore_schedule_and_rng(extra)

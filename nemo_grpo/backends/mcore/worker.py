@@ -19,7 +19,6 @@ Optimizer: the base's torch optimizer over the local shards (Megatron's Distribu
 from __future__ import annotations
 
 import os
-import random
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -305,9 +304,6 @@ class MegatronPolicyWorker(PolicyWorker):
         return self._gather_hf(names, {n: p.detach() for n, p in self.main.items()})
 
     # ------------------------------------------------------------------------------------------ checkpoints
-    def _rank_file(self, path: str) -> str:
-        return os.path.join(path, f"worker_state_rank{self.rank:05d}.pt")
-
     @property
     def _optimizer_state(self) -> dict:
         """param -> its optimizer state on this rank (sharded: only the parameters this DP rank steps)."""
@@ -350,10 +346,7 @@ class MegatronPolicyWorker(PolicyWorker):
         for key in moments:
             state.update({f"optim/{key}/{k}": v for k, v in self._gather_hf(names, self._full_moment(key)).items()})
         dcp.save(state if self.rank == 0 else {}, checkpoint_id=path)
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-               "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-        torch.save({"scheduler": self.scheduler.state_dict(), "rng": rng, "moments": moments,
-                    "scalars": scalars}, self._rank_file(path))
+        self._save_rank_state(path, moments=moments, scalars=scalars)
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
@@ -361,9 +354,7 @@ class MegatronPolicyWorker(PolicyWorker):
         when the checkpoint has this rank's file."""
         import torch.distributed.checkpoint as dcp
 
-        own = os.path.isfile(self._rank_file(path))
-        extra = torch.load(self._rank_file(path) if own else os.path.join(path, "worker_state_rank00000.pt"),
-                           weights_only=False)
+        extra = self._load_rank_state(path)
         names = [e.hf for e in self.entries.values() if e.hf not in self.tied_aliases]
         loaded = {f"model/{n}": torch.empty(self.entries[n].shape) for n in names}
         for key in extra["moments"]:
@@ -378,14 +369,7 @@ class MegatronPolicyWorker(PolicyWorker):
                 self.main[n].copy_(t)
         self._load_optimizer_state({key: shard(lambda name: loaded[f"optim/{key}/{name}"])
                                     for key in extra["moments"]}, extra["scalars"])
-        self.scheduler.load_state_dict(extra["scheduler"])
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr
-        if own:
-            torch.set_rng_state(extra["rng"]["torch"])
-            random.setstate(extra["rng"]["python"])
-            if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state(extra["rng"]["cuda"])
+        self._restore_schedule_and_rng(extra)
 
     def _load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], scalars: dict[str, Any]) -> None:
         """moments: key -> Megatron parameter name -> this rank's shard; set for the parameters this rank steps."""
