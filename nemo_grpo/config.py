@@ -164,8 +164,32 @@ class MathEnvConfig:
 
 
 @dataclass
+class RewardModelTypeConfig:
+    enabled: bool = True
+    reward_model_type: str = "bradley_terry"  # a scalar head over the last real token (the only type so far)
+
+
+@dataclass
+class RewardModelEnvConfig:
+    """env.reward_model: rewards from a sequence classifier (HF *ForSequenceClassification, num_labels=1)."""
+    enabled: bool = True
+    model_name: str = ""  # local HF directory of the reward model
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # name null = model_name
+    precision: str = "float32"  # float32 | bfloat16
+    batch_size: int = 32  # sequences per scoring forward on one data-parallel rank
+    max_model_len: int = 4096  # longer conversations keep their last max_model_len tokens (counted)
+    # the reward model's own devices (worker processes on a CPU); see nemo_grpo/distributed/resource_plan.py
+    resources: ResourcesConfig = field(default_factory=lambda: ResourcesConfig(gpus_per_node=1, num_nodes=1))
+    reward_model_cfg: RewardModelTypeConfig = field(default_factory=RewardModelTypeConfig)
+    backend: str = "dtensor"  # dtensor | megatron
+    dtensor_cfg: DTensorConfig = field(default_factory=DTensorConfig)
+    megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
 class EnvConfig:
     math: Optional[MathEnvConfig] = field(default_factory=MathEnvConfig)
+    reward_model: Optional[RewardModelEnvConfig] = None
 
 
 @dataclass
