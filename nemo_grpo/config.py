@@ -493,6 +493,36 @@ def _validate_data_env(cfg: MasterConfig) -> None:
         for key in ("prompt_file", "system_prompt_file"):
             path = getattr(ds, key)
             _need(path is None or os.path.isfile(path), f"data.{split}.{key}", f"file not found: {path}")
+    if cfg.env.reward_model is not None and cfg.env.reward_model.enabled:
+        _validate_reward_model(cfg.env.reward_model)
     if cfg.env.math is not None:
         _need(cfg.env.math.num_workers > 0, "env.math.num_workers", "must be > 0")
         _need(cfg.env.math.timeout_s > 0, "env.math.timeout_s", "must be > 0")
+
+
+def _validate_reward_model(r: RewardModelEnvConfig) -> None:
+    from nemo_grpo.backends import BACKENDS
+
+    key = "env.reward_model."
+    _need(os.path.isdir(r.model_name), key + "model_name",
+          f"'{r.model_name}' is not a local directory (a Hugging Face *ForSequenceClassification model)")
+    _choice(r.backend, key + "backend", sorted(BACKENDS))
+    _choice(r.precision, key + "precision", ["float32", "bfloat16"])
+    _choice(r.reward_model_cfg.reward_model_type, key + "reward_model_cfg.reward_model_type", ["bradley_terry"])
+    _need(r.batch_size > 0, key + "batch_size", "must be > 0")
+    _need(r.max_model_len > 0, key + "max_model_len", "must be > 0")
+    for name in ("gpus_per_node", "num_nodes"):
+        value = getattr(r.resources, name)
+        _need(value is not None and value > 0, f"{key}resources.{name}", f"must be > 0, got {value}")
+    world = r.resources.gpus_per_node * r.resources.num_nodes
+    if r.backend == "megatron":
+        m = r.megatron_cfg
+        _need(world % (m.tensor_model_parallel_size * m.pipeline_model_parallel_size) == 0,
+              key + "megatron_cfg.tensor_model_parallel_size",
+              f"tensor_model_parallel_size {m.tensor_model_parallel_size} x pipeline_model_parallel_size "
+              f"{m.pipeline_model_parallel_size} does not divide the reward model's {world} devices")
+    else:
+        tp = r.dtensor_cfg.tensor_parallel_size
+        _need(tp > 0 and world % tp == 0, key + "dtensor_cfg.tensor_parallel_size",
+              f"{tp} does not divide the reward model's {world} devices (env.reward_model.resources)")
+

@@ -122,11 +122,10 @@ class Policy:
     def train(self, batch: dict[str, Any], loss_fn) -> dict[str, float]:
         """One optimizer step per global batch of policy.train_global_batch_size rows (B must be a multiple).
 
-        loss_fn(logprobs [b, T], micro_batch, global_valid_seqs, global_valid_toks) -> (loss, metrics), the
-        normalizers counted over each global batch. Returns the loss-fn metrics (and "loss") summed over
+        loss_fn(logprobs [b, T] (scalar head: scores [b]), micro_batch, global_valid_seqs, global_valid_toks)
+        -> (loss, metrics), the normalizers counted over each global batch. Returns the loss-fn metrics (and "loss") summed over
         micro-batches and DP ranks, averaged over the optimizer steps, plus "grad_norm" (pre-clip) and "lr".
         """
-        self._need_lm("train")
         _check_keys(batch, TRAIN_KEYS, "train")
         n, gbs, dp = batch_size_of(batch), self.cfg.train_global_batch_size, self.dp_size
         if n == 0 or n % gbs:

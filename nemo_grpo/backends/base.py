@@ -7,7 +7,8 @@ Data contract (driver <-> worker). A batch is a dict of tensors with the samples
   Any other key (tensor or list with B entries) reaches the loss unchanged, sliced along dim 0.
 Log-probs: logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) from logits / generation.temperature;
   column 0 and padding positions are 0.
-Loss: `loss, metrics = loss_fn(logprobs [b, T], mb, global_valid_seqs, global_valid_toks)`; the normalizers
+Loss: `loss, metrics = loss_fn(logprobs [b, T], mb, global_valid_seqs, global_valid_toks)` (scalar-head models:
+  scores [b] in place of the log-probs, e.g. the Bradley-Terry loss); the normalizers
   count the whole global batch (all micro-batches and data-parallel ranks); the loss and every metric are
   additive contributions, so the sum over micro-batches and ranks is the global value. The worker
   backpropagates the contribution as-is; a back end makes its data-parallel reduction a sum, not a mean.
@@ -299,6 +300,14 @@ class PolicyWorker(ABC):
         lp = self._logprobs(ids, mask)  # [b, t]
         return torch.nn.functional.pad(lp, (0, full_t - lp.shape[1]))
 
+    def _train_output(self, mb: dict[str, Any]) -> torch.Tensor:
+        """Micro-batch on device -> what the loss takes: log-probs [b, T] of a causal LM, or the scalar head's
+        scores [b] (reward-model training)."""
+        if self.scalar_head:
+            ids, mask, _ = self._trimmed_inputs(mb)
+            return self._scores(ids, mask, mb["input_lengths"]).float()
+        return self._forward_logprobs(mb)
+
     @torch.no_grad()
     def _chunked(self, data: dict[str, Any], fn) -> Optional[torch.Tensor]:
         """Run fn over chunks of policy.logprob_batch_size rows in eval mode; the concatenation on output ranks."""
@@ -379,7 +388,7 @@ class PolicyWorker(ABC):
         for i, mb in enumerate(micro_batches):
             mb = self._to_device(mb)
             self._set_gradient_sync(i == len(micro_batches) - 1)
-            loss, metrics = loss_and_metrics(loss_fn, self._forward_logprobs(mb), mb, gvs, gvt)  # logprobs [b, T]
+            loss, metrics = loss_and_metrics(loss_fn, self._train_output(mb), mb, gvs, gvt)
             loss.backward()
             accumulate(totals, metrics)
         return totals

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Iterator
 
 from nemo_grpo.config import DatasetConfig
 
@@ -24,11 +25,12 @@ def addition_problems() -> list[dict[str, str]]:
 BUILTIN_DATASETS = {"addition": addition_problems}
 
 
-def read_jsonl(path: str, input_key: str, output_key: str) -> list[dict[str, str]]:
-    """One JSON object per line; `input_key` holds the problem and `output_key` the reference answer."""
+def jsonl_rows(path: str) -> Iterator[tuple[str, dict]]:
+    """("path:line", object) for each non-empty line of a JSONL file; clear errors for a missing file, bad
+    JSON, a line that is not an object, or no rows at all."""
     if not os.path.isfile(path):
         raise DataError(f"dataset file not found: {path}")
-    items = []
+    count = 0
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -37,13 +39,22 @@ def read_jsonl(path: str, input_key: str, output_key: str) -> list[dict[str, str
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            for key, what in ((input_key, "input_key"), (output_key, "output_key")):
-                if not isinstance(row, dict) or key not in row:
-                    raise DataError(f"{path}:{lineno}: missing key '{key}' (data.*.{what}); "
-                                    f"keys present: {sorted(row) if isinstance(row, dict) else type(row).__name__}")
-            items.append({"problem": str(row[input_key]), "answer": str(row[output_key])})
-    if not items:
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            count += 1
+            yield f"{path}:{lineno}", row
+    if not count:
         raise DataError(f"{path}: no rows")
+
+
+def read_jsonl(path: str, input_key: str, output_key: str) -> list[dict[str, str]]:
+    """One JSON object per line; `input_key` holds the problem and `output_key` the reference answer."""
+    items = []
+    for where, row in jsonl_rows(path):
+        for key, what in ((input_key, "input_key"), (output_key, "output_key")):
+            if key not in row:
+                raise DataError(f"{where}: missing key '{key}' (data.*.{what}); keys present: {sorted(row)}")
+        items.append({"problem": str(row[input_key]), "answer": str(row[output_key])})
     return items
 
 

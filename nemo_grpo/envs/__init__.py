@@ -10,6 +10,7 @@ from nemo_grpo.utils.registry import load_registered
 ENVIRONMENTS = {
     "math": "nemo_grpo.envs.math_env:MathEnvironment",
     "guess": "nemo_grpo.envs.guessing_game:GuessingGameEnvironment",
+    "reward_model": "nemo_grpo.envs.reward_model_env:RewardModelEnvironment",
 }
 
 

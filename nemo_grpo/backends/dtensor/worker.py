@@ -85,12 +85,15 @@ class DTensorPolicyWorker(PolicyWorker):
         captured = {}
         handle = self.model.score.register_forward_hook(lambda m, i, o: captured.__setitem__("out", o))
         try:
-            self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            pooled_by_hf = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         finally:
             handle.remove()
         per_token = par.full_tensor(captured["out"])[..., 0]  # [b, t]
         rows = torch.arange(per_token.shape[0], device=per_token.device)
-        return per_token[rows, (input_lengths.to(per_token.device) - 1).clamp(min=0)]
+        scores = per_token[rows, (input_lengths.to(per_token.device) - 1).clamp(min=0)]
+        # FSDP re-gathers the root's parameters (the score head among them) for backward from a hook on the
+        # root's output: make the (training) graph run through it, with weight 0
+        return scores + 0.0 * par.full_tensor(pooled_by_hf).sum()
 
     # ------------------------------------------------------------------------------------------ gradients
     def _set_gradient_sync(self, enabled: bool) -> None:

@@ -191,11 +191,7 @@ class MegatronPolicyWorker(PolicyWorker):
     def _scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 input_lengths: torch.Tensor) -> torch.Tensor:
         """[b, t] -> [b]: the scalar head at position input_lengths - 1 (zeros off the last stage)."""
-        def pool(out):  # [b, s, 1]
-            rows = torch.arange(out.shape[0], device=out.device)
-            return out[rows, (input_lengths.to(out.device) - 1).clamp(min=0), 0]
-
-        scores = self._last_stage_output(input_ids, pool)
+        scores = self._last_stage_output(input_ids, lambda out: _pool_last(out, input_lengths))
         return torch.zeros(input_ids.shape[0], device=input_ids.device) if scores is None else scores
 
     def _forward_backward(self, micro_batches: list[dict[str, Any]], loss_fn, gvs: torch.Tensor,
@@ -210,16 +206,22 @@ class MegatronPolicyWorker(PolicyWorker):
         t = max(1, min(full_t, max(int(mb["input_lengths"].max()) for mb in micro_batches)))
         totals: dict[str, float] = {}
 
-        def on_output(mb, logits):  # [b, s, V_pad/tp]
-            lp = self._token_logprobs(logits, _fit_columns(mb["input_ids"], logits.shape[1]))[:, :t]  # [b, t]
-            lp = lp * attention_mask_from_lengths(mb["input_lengths"], t)
-            loss, metrics = loss_and_metrics(loss_fn, torch.nn.functional.pad(lp, (0, full_t - t)), mb, gvs, gvt)
+        def on_output(mb, out):  # logits [b, s, V_pad/tp], or scores [b, s, 1] with a scalar head
+            loss, metrics = loss_and_metrics(loss_fn, self._train_output_of(out, mb, t, full_t), mb, gvs, gvt)
             accumulate(totals, metrics)
             return loss
 
         self._run_schedule([self._to_device(mb) for mb in micro_batches], self._schedule_len(t), on_output,
                            forward_only=False)
         return totals
+
+    def _train_output_of(self, out: torch.Tensor, mb: dict[str, Any], t: int, full_t: int) -> torch.Tensor:
+        """The last stage's model output -> the loss input: log-probs [b, full_t] or scalar-head scores [b]."""
+        if self.scalar_head:
+            return _pool_last(out, mb["input_lengths"]).float()
+        lp = self._token_logprobs(out, _fit_columns(mb["input_ids"], out.shape[1]))[:, :t]  # [b, t]
+        lp = lp * attention_mask_from_lengths(mb["input_lengths"], t)
+        return torch.nn.functional.pad(lp, (0, full_t - t))
 
     # ------------------------------------------------------------------------------------------ gradients
     def _grads(self, names) -> list[torch.Tensor]:
@@ -416,4 +418,10 @@ def _accumulate_into(main: torch.nn.Parameter, param: torch.nn.Parameter) -> Non
     grad = param.grad.float()
     main.grad = grad if main.grad is None else main.grad.add_(grad)
     param.grad = None
+
+
+def _pool_last(out: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
+    """Scalar-head output [b, s, 1] -> [b], taken at each row's last real token (input_lengths - 1)."""
+    rows = torch.arange(out.shape[0], device=out.device)
+    return out[rows, (input_lengths.to(out.device) - 1).clamp(min=0), 0]
 

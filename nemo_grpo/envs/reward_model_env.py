@@ -1,0 +1,99 @@
+"""`RewardModelEnvironment`: rewards from a Bradley-Terry reward model (a sequence classifier with one label),
+on either policy back end (`env.reward_model.backend`: dtensor or megatron, TP/PP as configured).
+
+Each conversation is re-rendered with the reward model's own tokenizer and chat template (the policy's may
+differ), truncated to its last `max_model_len` tokens (counted, never an error), and scored through
+`Policy.score` in chunks of `batch_size` per data-parallel rank. Every conversation terminates after scoring.
+
+    env = create_env("reward_model", cfg.env.reward_model)   # a Ray actor; it starts the reward model's workers
+    ret = ray.get(env.step.remote(message_logs, env_infos))  # ret.rewards [B]
+    ray.get(env.shutdown.remote())                           # frees the reward model's actors
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from nemo_grpo.envs.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
+
+log = logging.getLogger(__name__)
+PREFIX = "reward_model_env"
+
+
+def reward_model_policy_config(cfg):
+    """env.reward_model -> the PolicyConfig of a scoring-only policy (no optimizer steps are taken)."""
+    from nemo_grpo.config import PolicyConfig
+
+    return PolicyConfig(model_name=cfg.model_name, backend=cfg.backend, precision=cfg.precision,
+                        logprob_batch_size=cfg.batch_size, max_total_sequence_length=cfg.max_model_len,
+                        dtensor_cfg=cfg.dtensor_cfg, megatron_cfg=cfg.megatron_cfg)
+
+
+class RewardModelEnvironment(EnvironmentInterface):
+    """Scores whole conversations with a reward model; started as a Ray actor by `create_env`."""
+
+    def __init__(self, cfg):
+        from transformers import AutoTokenizer
+
+        from nemo_grpo.config import ClusterConfig
+        from nemo_grpo.policy import Policy
+
+        if cfg.reward_model_cfg.reward_model_type != "bradley_terry":
+            raise ValueError(f"env.reward_model.reward_model_cfg.reward_model_type="
+                             f"'{cfg.reward_model_cfg.reward_model_type}' is not supported; known: bradley_terry")
+        self.cfg = cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer.name or cfg.model_name)
+        if cfg.tokenizer.chat_template is not None:
+            self.tokenizer.chat_template = cfg.tokenizer.chat_template
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        r = cfg.resources
+        cluster = ClusterConfig(gpus_per_node=r.gpus_per_node or 1, num_nodes=r.num_nodes or 1)
+        self.policy = Policy(reward_model_policy_config(cfg), cluster, cfg.model_name, scalar_head=True,
+                             name="reward_model")
+        self._truncated = 0
+
+    def step(self, message_logs: list[MessageLog], env_infos: list[dict[str, Any]]) -> EnvironmentReturn:
+        """Rewards [B] = the reward model's score of each whole conversation; all terminated."""
+        from nemo_grpo.data.preferences import render_conversation, right_padded
+
+        if self.policy is None:
+            raise RuntimeError("RewardModelEnvironment.step called after shutdown()")
+        rendered = [render_conversation(self.tokenizer, [_chat_message(m) for m in log_], self.cfg.max_model_len)
+                    for log_ in message_logs]
+        self._truncated += sum(truncated for _, truncated in rendered)
+        rewards = self.policy.score(right_padded([ids for ids, _ in rendered], self.pad_id)).float()  # [B]
+        n = len(message_logs)
+        return EnvironmentReturn(observations=[{"role": "environment", "content": ""} for _ in range(n)],
+                                 metadata=list(env_infos), next_stop_strings=[None] * n, rewards=rewards,
+                                 terminateds=torch.ones(n, dtype=torch.bool), answers=[None] * n)
+
+    def global_post_process_and_metrics(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        """reward_model_env/{num_samples, mean_reward, std_reward, min_reward, max_reward, num_truncated}."""
+        rewards = torch.as_tensor(batch["rewards"], dtype=torch.float32)
+        metrics = {"num_samples": float(rewards.numel()), "num_truncated": float(self._truncated)}
+        if rewards.numel():
+            metrics.update(mean_reward=float(rewards.mean()), std_reward=float(rewards.std(unbiased=False)),
+                           min_reward=float(rewards.min()), max_reward=float(rewards.max()))
+        self._truncated = 0
+        return batch, {f"{PREFIX}/{k}": v for k, v in metrics.items()}
+
+    def shutdown(self) -> None:
+        """Free the reward model's worker actors; safe to call twice."""
+        policy, self.policy = getattr(self, "policy", None), None
+        if policy is not None:
+            policy.shutdown()
+
+    def __del__(self):  # a forgotten shutdown() still frees the workers when the actor goes away
+        try:
+            self.shutdown()
+        except Exception as e:  # interpreter teardown: Ray may be gone already
+            log.debug("RewardModelEnvironment: shutdown in __del__ failed: %s", e)
+
+
+def _chat_message(message: dict[str, str]) -> dict[str, str]:
+    """Our roles -> chat-template roles (an environment's observation speaks as the user)."""
+    role = message.get("role", "user")
+    return {"role": "user" if role == "environment" else role, "content": message.get("content", "")}
