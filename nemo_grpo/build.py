@@ -34,12 +34,19 @@ def build_datasets(cfg: MasterConfig, tokenizer):
     return loader, val
 
 
-def build_environments(cfg: MasterConfig) -> dict:
-    """task name -> environment actor, one actor per environment named in data.*.env_name."""
+def build_environments(cfg: MasterConfig, plan=None, groups: dict | None = None) -> dict:
+    """task name -> environment actor, one actor per environment named in data.*.env_name; the reward model
+    starts on its share of the resource plan."""
     from nemo_grpo.envs import create_env
 
     names = {ds.env_name for ds in (cfg.data.train, cfg.data.validation) if ds is not None}
-    return {name: create_env(name, getattr(cfg.env, name)) for name in sorted(names)}
+    envs = {}
+    for name in sorted(names):
+        extra = {}
+        if name == "reward_model" and plan is not None:
+            extra = dict(placement=plan.placements["reward_model"], placement_group=(groups or {}).get(name))
+        envs[name] = create_env(name, getattr(cfg.env, name), **extra)
+    return envs
 
 
 def build_trainer(cfg: MasterConfig):
@@ -47,6 +54,7 @@ def build_trainer(cfg: MasterConfig):
 
     from nemo_grpo.algorithms.grpo import GRPOTrainer
     from nemo_grpo.distributed.cluster import init_ray
+    from nemo_grpo.distributed.resource_plan import plan_resources, reserve
     from nemo_grpo.generation.interface import make_generation_engine
     from nemo_grpo.models.builtin import resolve_model_path
     from nemo_grpo.policy import Policy
@@ -59,10 +67,14 @@ def build_trainer(cfg: MasterConfig):
     checkpointer = CheckpointManager(cfg.checkpointing)
     logger = Logger(cfg.logger, to_dict(cfg))
     init_ray()
-    envs = build_environments(cfg)
-    policy = Policy(cfg.policy, cfg.cluster, model_path, init_reference=cfg.loss_fn.reference_policy_kl_penalty > 0,
-                    seed=cfg.grpo.seed)
+    plan = plan_resources(cfg)
+    log.info("resource plan:\n%s", plan.describe())
+    groups = reserve(plan)
+    envs = build_environments(cfg, plan, groups)
+    policy = Policy(cfg.policy, plan.placements["policy"].as_cluster(cfg.cluster.num_threads_per_worker),
+                    model_path, init_reference=cfg.loss_fn.reference_policy_kl_penalty > 0, seed=cfg.grpo.seed,
+                    placement_group=groups["policy"])
     engine = make_generation_engine(cfg.policy.generation, model_path, cfg.cluster)
     ray.get([e.__ray_ready__.remote() for e in envs.values()])
     return GRPOTrainer(cfg, tokenizer=tokenizer, policy=policy, engine=engine, task_to_env=envs, loader=loader,
-                       val_datums=val, logger=logger, checkpointer=checkpointer)
+                       val_datums=val, logger=logger, checkpointer=checkpointer, placement_groups=groups)

@@ -344,7 +344,11 @@ def _choice(value: Any, key: str, allowed) -> None:
 
 
 def world_size(cfg: MasterConfig) -> int:
-    return cfg.cluster.gpus_per_node * cfg.cluster.num_nodes
+    """The policy's devices (worker processes on a CPU): the cluster less what the resource plan gives the
+    reward model and non-colocated generation (nemo_grpo/distributed/resource_plan.py)."""
+    from nemo_grpo.distributed.resource_plan import plan_resources
+
+    return plan_resources(cfg).placements["policy"].world_size
 
 
 def validate(cfg: MasterConfig) -> None:
@@ -393,7 +397,8 @@ def _validate_parallel(cfg: MasterConfig) -> None:
     _need(c.num_nodes > 0, "cluster.num_nodes", "must be > 0")
     _need(c.num_threads_per_worker > 0, "cluster.num_threads_per_worker", "must be > 0")
     world = world_size(cfg)
-    where = f"world size {world} (cluster.gpus_per_node {c.gpus_per_node} x cluster.num_nodes {c.num_nodes})"
+    where = f"world size {world} (the policy's devices of cluster.gpus_per_node {c.gpus_per_node} x " \
+            f"cluster.num_nodes {c.num_nodes})"
     if cfg.policy.backend == "megatron":
         validate_megatron_layout(cfg.policy, world, where)
         return
@@ -494,13 +499,16 @@ def _validate_data_env(cfg: MasterConfig) -> None:
             path = getattr(ds, key)
             _need(path is None or os.path.isfile(path), f"data.{split}.{key}", f"file not found: {path}")
     if cfg.env.reward_model is not None and cfg.env.reward_model.enabled:
-        _validate_reward_model(cfg.env.reward_model)
+        from nemo_grpo.distributed.resource_plan import plan_resources
+
+        _validate_reward_model(cfg.env.reward_model, plan_resources(cfg).placements["reward_model"].world_size)
     if cfg.env.math is not None:
         _need(cfg.env.math.num_workers > 0, "env.math.num_workers", "must be > 0")
         _need(cfg.env.math.timeout_s > 0, "env.math.timeout_s", "must be > 0")
 
 
-def _validate_reward_model(r: RewardModelEnvConfig) -> None:
+def _validate_reward_model(r: RewardModelEnvConfig, world: int) -> None:
+    """env.reward_model on its `world` devices of the resource plan."""
     from nemo_grpo.backends import BACKENDS
 
     key = "env.reward_model."
@@ -511,10 +519,6 @@ def _validate_reward_model(r: RewardModelEnvConfig) -> None:
     _choice(r.reward_model_cfg.reward_model_type, key + "reward_model_cfg.reward_model_type", ["bradley_terry"])
     _need(r.batch_size > 0, key + "batch_size", "must be > 0")
     _need(r.max_model_len > 0, key + "max_model_len", "must be > 0")
-    for name in ("gpus_per_node", "num_nodes"):
-        value = getattr(r.resources, name)
-        _need(value is not None and value > 0, f"{key}resources.{name}", f"must be > 0, got {value}")
-    world = r.resources.gpus_per_node * r.resources.num_nodes
     if r.backend == "megatron":
         m = r.megatron_cfg
         _need(world % (m.tensor_model_parallel_size * m.pipeline_model_parallel_size) == 0,

@@ -45,10 +45,11 @@ class Policy:
 
     cfg: PolicyConfig; cluster: ClusterConfig; model_path: a local Hugging Face directory (tokenizer inside).
     init_reference: keep a CPU copy of the initial weights for get_reference_logprobs.
+    placement_group: a ready Ray placement group with a bundle per rank (resource_plan.reserve); None = its own.
     """
 
     def __init__(self, cfg, cluster, model_path: str, *, scalar_head: bool = False, init_reference: bool = False,
-                 seed: int = 0, name: str = "policy"):
+                 seed: int = 0, name: str = "policy", placement_group=None):
         from nemo_grpo.backends import worker_class
         from nemo_grpo.distributed.worker_group import WorkerGroup
 
@@ -58,7 +59,7 @@ class Policy:
         cls = worker_class(cfg.backend)
         cls.check_layout(cfg, self.world_size)  # a bad layout fails here, before any actor starts
         t0 = time.perf_counter()
-        self.group = WorkerGroup(cls, cluster, name=name, kwargs=dict(
+        self.group = WorkerGroup(cls, cluster, name=name, placement_group=placement_group, kwargs=dict(
             cfg=cfg, model_path=os.path.abspath(model_path), scalar_head=scalar_head,
             init_reference=init_reference, seed=seed))
         layouts = self.group.run_all("layout")

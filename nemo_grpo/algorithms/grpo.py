@@ -38,10 +38,11 @@ class GRPOState:
 
 class GRPOTrainer:
     def __init__(self, cfg: MasterConfig, *, tokenizer, policy, engine, task_to_env, loader, val_datums,
-                 logger, checkpointer):
+                 logger, checkpointer, placement_groups: dict | None = None):
         self.cfg, self.tokenizer, self.policy, self.engine = cfg, tokenizer, policy, engine
         self.task_to_env, self.loader, self.val_datums = task_to_env, loader, val_datums
         self.logger, self.checkpointer = logger, checkpointer
+        self.placement_groups = placement_groups or {}  # the resource plan's, released at close
         self.loss_fn = make_loss("clipped_pg", cfg.loss_fn)
         self.refitter = make_refitter(policy, engine, cfg.policy.generation)
         self.state = GRPOState()
@@ -217,4 +218,7 @@ class GRPOTrainer:
             ray.get(env.shutdown.remote())
         self.engine.shutdown()
         self.policy.shutdown()
+        from nemo_grpo.distributed.resource_plan import release
+
+        release(self.placement_groups)
 

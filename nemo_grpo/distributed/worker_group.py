@@ -70,20 +70,28 @@ class WorkerGroup:
     cluster: ClusterConfig (gpus_per_node x num_nodes ranks; num_threads_per_worker torch threads each).
     use_gpus: reserve a GPU per rank; None = when the Ray cluster has GPU resources.
     env_vars: extra environment for every actor (on top of WORKER_ENV and the torchrun variables).
+    placement_group: a ready Ray placement group to start in (e.g. from resource_plan.reserve): rank r in its
+        bundle r; the group keeps it at shutdown (its owner removes it). None = reserve a group of its own.
     """
 
     def __init__(self, worker_cls: type, cluster, *, name: str = "workers", args: Sequence[Any] = (),
                  kwargs: Optional[dict[str, Any]] = None, use_gpus: Optional[bool] = None,
-                 env_vars: Optional[dict[str, str]] = None):
+                 env_vars: Optional[dict[str, str]] = None, placement_group=None):
         import ray
 
         self.name = name
         self.world_size = cluster.gpus_per_node * cluster.num_nodes
         self.local_world_size = cluster.gpus_per_node
+        if use_gpus is None and placement_group is not None:
+            use_gpus = bool(placement_group.bundle_specs[0].get("GPU", 0))
         self.use_gpus = bool(ray.cluster_resources().get("GPU", 0)) if use_gpus is None else use_gpus
         self.actors: list = []
         self._pg = None
-        self._pg = self._reserve_bundles()
+        self._owns_pg = placement_group is None
+        if placement_group is not None and placement_group.bundle_count < self.world_size:
+            raise ValueError(f"{self.name}: the placement group has {placement_group.bundle_count} bundles for "
+                             f"{self.world_size} ranks (cluster.gpus_per_node x cluster.num_nodes)")
+        self._pg = self._reserve_bundles() if placement_group is None else placement_group
         master_addr, master_port = self._master_address()
         env = {**WORKER_ENV, **(env_vars or {}), "OMP_NUM_THREADS": str(cluster.num_threads_per_worker),
                "MKL_NUM_THREADS": str(cluster.num_threads_per_worker)}
@@ -165,7 +173,7 @@ class WorkerGroup:
             except Exception as e:  # already dead
                 log.debug("%s: kill failed: %s", self.name, e)
         self.actors = []
-        if self._pg is not None:
+        if self._pg is not None and self._owns_pg:
             try:
                 remove_placement_group(self._pg)
             except Exception as e:

@@ -18,9 +18,10 @@ def environment_class(name: str):
     return load_registered(ENVIRONMENTS, name, "environment")
 
 
-def create_env(name: str, cfg: Any, runtime_env: dict | None = None):
-    """Start environment `name` as a Ray actor with its config dataclass; returns the actor handle."""
+def create_env(name: str, cfg: Any, runtime_env: dict | None = None, **kwargs: Any):
+    """Start environment `name` as a Ray actor with its config dataclass (and constructor `kwargs`, e.g. the
+    reward model's placement); returns the actor handle."""
     import ray
 
     cls = environment_class(name)
-    return ray.remote(cls).options(num_cpus=0, runtime_env=runtime_env or {}).remote(cfg)
+    return ray.remote(cls).options(num_cpus=0, runtime_env=runtime_env or {}).remote(cfg, **kwargs)

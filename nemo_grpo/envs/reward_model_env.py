@@ -35,7 +35,9 @@ def reward_model_policy_config(cfg):
 class RewardModelEnvironment(EnvironmentInterface):
     """Scores whole conversations with a reward model; started as a Ray actor by `create_env`."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, placement=None, placement_group=None):
+        """cfg: env.reward_model; placement / placement_group: the reward model's share of the resource plan
+        (resource_plan.Placement and its reserved group); without them, env.reward_model.resources."""
         from transformers import AutoTokenizer
 
         from nemo_grpo.config import ClusterConfig
@@ -50,9 +52,10 @@ class RewardModelEnvironment(EnvironmentInterface):
             self.tokenizer.chat_template = cfg.tokenizer.chat_template
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         r = cfg.resources
-        cluster = ClusterConfig(gpus_per_node=r.gpus_per_node or 1, num_nodes=r.num_nodes or 1)
+        cluster = placement.as_cluster() if placement is not None else \
+            ClusterConfig(gpus_per_node=r.gpus_per_node or 1, num_nodes=r.num_nodes or 1)
         self.policy = Policy(reward_model_policy_config(cfg), cluster, cfg.model_name, scalar_head=True,
-                             name="reward_model")
+                             name="reward_model", placement_group=placement_group)
         self._truncated = 0
 
     def step(self, message_logs: list[MessageLog], env_infos: list[dict[str, Any]]) -> EnvironmentReturn:

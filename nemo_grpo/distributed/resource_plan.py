@@ -1,0 +1,252 @@
+"""Which devices each role gets: a pure function of the config (`plan_resources`), then Ray placement groups.
+
+One node (cluster.num_nodes 1): the node's cluster.gpus_per_node devices are split. The reward model takes
+env.reward_model.resources.gpus_per_node, non-colocated generation policy.generation.colocated.resources
+.gpus_per_node, the policy the rest (colocated generation shares the policy's devices).
+Several nodes: the reward model and non-colocated generation get whole nodes of their own (their
+resources.num_nodes, using resources.gpus_per_node of each, default all); the other nodes train the policy.
+Node indices: the policy first (0..p-1, so policy rank 0 is on node 0), then generation, then the reward model.
+
+`reserve(plan)` makes one placement group per role, one bundle per device, each bundle pinned to its planned
+node with a per-bundle label selector on Ray's node-id label. The planned node index i is the i-th alive
+Ray node in `ordered_node_ids()` order: nodes with a custom resource `node_index:<k>` by k first, then the
+head node, then the others by node id (hex); only nodes that have the bundles' device resource count.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+from nemo_grpo.config import ConfigError, MasterConfig
+
+ROLES = ("policy", "generation", "reward_model")
+NODE_INDEX_RESOURCE_PREFIX = "node_index:"
+NODE_ID_LABEL = "ray.io/node-id"
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+RESERVE_TIMEOUT_S = 120.0
+
+RM_KEY = "env.reward_model.resources"
+GEN_KEY = "policy.generation.colocated.resources"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One role's devices: `gpus_per_node` on each of `nodes` (planned node indices)."""
+    role: str
+    nodes: tuple[int, ...]
+    gpus_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes) * self.gpus_per_node
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    def bundle_nodes(self) -> list[int]:
+        """The planned node of each bundle (rank), node by node."""
+        return [node for node in self.nodes for _ in range(self.gpus_per_node)]
+
+    def as_cluster(self, num_threads_per_worker: int = 1):
+        """A ClusterConfig of this role's shape, e.g. for a WorkerGroup on the role's placement group."""
+        from nemo_grpo.config import ClusterConfig
+
+        return ClusterConfig(gpus_per_node=self.gpus_per_node, num_nodes=self.num_nodes,
+                             num_threads_per_worker=num_threads_per_worker)
+
+
+@dataclass(frozen=True)
+class ResourcePlan:
+    """Placements by role; "generation" only when it is not colocated with the policy."""
+    placements: dict[str, Placement]
+    colocated_generation: bool = True
+    num_nodes: int = 1
+
+    def placement_of(self, role: str) -> Placement:
+        """The placement a role runs on (colocated generation: the policy's)."""
+        if role == "generation" and self.colocated_generation:
+            return self.placements["policy"]
+        return self.placements[role]
+
+    def gpus_on_node(self, node: int) -> dict[str, int]:
+        """{role: devices the role uses on planned node `node`}."""
+        return {role: p.gpus_per_node for role, p in self.placements.items() if node in p.nodes}
+
+    def describe(self) -> str:
+        lines = []
+        for role in ROLES:
+            if role not in self.placements:
+                continue
+            p = self.placements[role]
+            note = " (colocated with generation)" if role == "policy" and self.colocated_generation else ""
+            lines.append(f"{role}: nodes {_node_list(p.nodes)} x {p.gpus_per_node} GPUs = {p.world_size}{note}")
+        return "\n".join(lines)
+
+
+def _node_list(nodes: tuple[int, ...]) -> str:
+    if len(nodes) > 1 and list(nodes) == list(range(nodes[0], nodes[-1] + 1)):
+        return f"{nodes[0]}-{nodes[-1]}"
+    return ",".join(map(str, nodes))
+
+
+# ----------------------------------------------------------------------------------------------- planning
+def _fail(key: str, msg: str) -> None:
+    raise ConfigError(f"config key '{key}': {msg}")
+
+
+def _positive(value: Optional[int], key: str) -> None:
+    if value is not None and value <= 0:
+        _fail(key, f"must be > 0, got {value}")
+
+
+def _dedicated_roles(cfg: MasterConfig) -> list[tuple[str, str, str, object]]:
+    """(role, config key, label, ResourcesConfig) of the roles with devices of their own, in node order."""
+    roles = []
+    gen = cfg.policy.generation.colocated
+    # a separate engine without resources reserves no devices (a CPU cluster; on GPUs generation/refit.py
+    # requires policy.generation.colocated.resources)
+    if not gen.enabled and (gen.resources.gpus_per_node is not None or gen.resources.num_nodes is not None):
+        roles.append(("generation", GEN_KEY, "generation", gen.resources))
+    rm = cfg.env.reward_model
+    if rm is not None and rm.enabled:
+        roles.append(("reward_model", RM_KEY, "reward model", rm.resources))
+    return roles
+
+
+def plan_resources(cfg: MasterConfig) -> ResourcePlan:
+    """The resource plan of a config (no Ray); ConfigError naming the key, with the arithmetic, if impossible."""
+    c = cfg.cluster
+    if c.gpus_per_node <= 0:
+        _fail("cluster.gpus_per_node", f"must be > 0, got {c.gpus_per_node}")
+    if c.num_nodes <= 0:
+        _fail("cluster.num_nodes", f"must be > 0, got {c.num_nodes}")
+    dedicated = _dedicated_roles(cfg)
+    for _, key, _, res in dedicated:
+        _positive(res.gpus_per_node, f"{key}.gpus_per_node")
+        _positive(res.num_nodes, f"{key}.num_nodes")
+    plan = _plan_one_node if c.num_nodes == 1 else _plan_nodes
+    placements = plan(cfg, dedicated)
+    return ResourcePlan(placements=placements, colocated_generation=cfg.policy.generation.colocated.enabled,
+                        num_nodes=c.num_nodes)
+
+
+def _plan_one_node(cfg: MasterConfig, dedicated) -> dict[str, Placement]:
+    """All roles on node 0; the policy gets what the others leave."""
+    total = cfg.cluster.gpus_per_node
+    placements, left, arithmetic = {}, total, f"cluster.gpus_per_node {total}"
+    for role, key, label, res in dedicated:
+        if res.gpus_per_node is None:
+            _fail(f"{key}.gpus_per_node", f"the {label} needs devices of its own on the single node "
+                  f"(cluster.num_nodes 1): set {key}.gpus_per_node")
+        if res.num_nodes is not None and res.num_nodes > 1:
+            _fail(f"{key}.num_nodes", f"{res.num_nodes} nodes for the {label} > cluster.num_nodes 1")
+        placements[role] = Placement(role, (0,), res.gpus_per_node)
+        left -= res.gpus_per_node
+        arithmetic += f" - {label} {res.gpus_per_node}"
+    if left <= 0:
+        key = f"{dedicated[-1][1]}.gpus_per_node"
+        _fail(key, f"{arithmetic} = {left} GPUs left for the policy (needs >= 1)")
+    return {"policy": Placement("policy", (0,), left), **placements}
+
+
+def _plan_nodes(cfg: MasterConfig, dedicated) -> dict[str, Placement]:
+    """Whole nodes for the reward model and generation (after the policy's); the rest for the policy."""
+    per_node, total = cfg.cluster.gpus_per_node, cfg.cluster.num_nodes
+    shapes, left, arithmetic = [], total, f"cluster.num_nodes {total}"
+    for role, key, label, res in dedicated:
+        if res.num_nodes is None:
+            _fail(f"{key}.num_nodes", f"with cluster.num_nodes {total} the {label} gets whole nodes of its "
+                  f"own: set {key}.num_nodes")
+        gpus = per_node if res.gpus_per_node is None else res.gpus_per_node
+        if gpus > per_node:
+            _fail(f"{key}.gpus_per_node", f"{label} {gpus} GPUs per node > cluster.gpus_per_node {per_node}")
+        shapes.append((role, res.num_nodes, gpus))
+        left -= res.num_nodes
+        arithmetic += f" - {label} {res.num_nodes}"
+    if left <= 0:
+        key = f"{dedicated[-1][1]}.num_nodes"
+        _fail(key, f"{arithmetic} = {left} nodes left for the policy (needs >= 1)")
+    placements = {"policy": Placement("policy", tuple(range(left)), per_node)}
+    first = left
+    for role, count, gpus in shapes:
+        placements[role] = Placement(role, tuple(range(first, first + count)), gpus)
+        first += count
+    return placements
+
+
+# ----------------------------------------------------------------------------------------------- Ray placement
+def _node_sort_key(node: dict) -> tuple:
+    indices = [int(name[len(NODE_INDEX_RESOURCE_PREFIX):]) for name in node["Resources"]
+               if name.startswith(NODE_INDEX_RESOURCE_PREFIX) and name[len(NODE_INDEX_RESOURCE_PREFIX):].isdigit()]
+    index = min(indices) if indices else float("inf")
+    return (index, HEAD_NODE_RESOURCE not in node["Resources"], node["NodeID"])
+
+
+def ordered_node_ids(device: str = "GPU") -> list[str]:
+    """Alive Ray nodes with `device` resources, in planned-node order (see the module docstring): node ids."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get(device, 0) > 0]
+    return [n["NodeID"] for n in sorted(nodes, key=_node_sort_key)]
+
+
+def _check_capacity(plan: ResourcePlan, device: str) -> list[str]:
+    """Node ids of the planned nodes; RuntimeError with the arithmetic where Ray has too few nodes or devices."""
+    import ray
+
+    node_ids = ordered_node_ids(device)
+    if len(node_ids) < plan.num_nodes:
+        raise RuntimeError(f"the resource plan needs {plan.num_nodes} nodes (cluster.num_nodes) but Ray has "
+                           f"{len(node_ids)} alive nodes with {device} resources\n{plan.describe()}")
+    capacity = {n["NodeID"]: n["Resources"].get(device, 0) for n in ray.nodes() if n.get("Alive")}
+    for node in range(plan.num_nodes):
+        demand = plan.gpus_on_node(node)
+        have = capacity[node_ids[node]]
+        if sum(demand.values()) > have:
+            parts = " + ".join(f"{role} {gpus}" for role, gpus in demand.items())
+            raise RuntimeError(f"planned node {node} (Ray node {node_ids[node]}) has {have:g} {device} but the "
+                               f"plan puts {parts} = {sum(demand.values())} there\n{plan.describe()}")
+    return node_ids
+
+
+def reserve(plan: ResourcePlan, cpu_only: Optional[bool] = None,
+            timeout_s: float = RESERVE_TIMEOUT_S) -> dict:
+    """One ready placement group per role of the plan ({role: PlacementGroup}), bundles on their planned nodes.
+
+    Bundles are {"GPU": 1, "CPU": 1}, or {"CPU": 1} when cpu_only (None: when the Ray cluster has no GPUs).
+    """
+    import ray
+    from ray.util.placement_group import placement_group
+
+    if cpu_only is None:
+        cpu_only = ray.cluster_resources().get("GPU", 0) == 0
+    device = "CPU" if cpu_only else "GPU"
+    bundle = {"CPU": 1.0} if cpu_only else {"GPU": 1.0, "CPU": 1.0}
+    node_ids = _check_capacity(plan, device)
+    groups, tag = {}, uuid.uuid4().hex[:8]  # placement-group names must be unique in the cluster
+    for role, p in plan.placements.items():
+        selectors = [{NODE_ID_LABEL: node_ids[node]} for node in p.bundle_nodes()]
+        groups[role] = placement_group([dict(bundle) for _ in selectors], strategy="PACK",
+                                       name=f"{role}-plan-pg-{tag}", bundle_label_selector=selectors)
+    ready_refs = {role: g.ready() for role, g in groups.items()}
+    ready, _ = ray.wait(list(ready_refs.values()), num_returns=len(groups), timeout=timeout_s)
+    if len(ready) < len(groups):
+        waiting = [role for role, ref in ready_refs.items() if ref not in ready]
+        release(groups)
+        raise RuntimeError(f"placement groups of {waiting} not ready within {timeout_s:.0f}s (bundles of "
+                           f"{bundle}); Ray has {ray.available_resources()} available\n{plan.describe()}")
+    return groups
+
+
+def release(groups: dict) -> None:
+    """Remove the placement groups of `reserve` (already removed ones are skipped)."""
+    from ray.util.placement_group import remove_placement_group
+
+    for group in groups.values():
+        try:
+            remove_placement_group(group)
+        except Exception:  # already removed
+            pass

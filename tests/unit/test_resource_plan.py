@@ -1,0 +1,151 @@
+"""The resource plan (nemo_grpo/distributed/resource_plan.py): the seed's three layouts and impossible plans.
+
+Configs are merged onto the schema without `validate()`: the plan is checked on its own (validation also
+wants, e.g., the reward model's directory to exist).
+"""
+
+import pytest
+from omegaconf import OmegaConf
+
+from nemo_grpo.config import ConfigError, MasterConfig, load_config
+from nemo_grpo.distributed.resource_plan import Placement, plan_resources
+
+ONE_NODE = ["cluster.gpus_per_node=8", "cluster.num_nodes=1"]
+FOUR_NODES = ["cluster.gpus_per_node=8", "cluster.num_nodes=4"]
+NON_COLOCATED = ["policy.generation.colocated.enabled=false"]
+
+
+def config(*overrides) -> MasterConfig:
+    dotlist = [item for group in overrides for item in group]
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MasterConfig), OmegaConf.from_dotlist(dotlist)))
+
+
+def test_one_node_colocated_policy_4_reward_model_4():
+    plan = plan_resources(config(ONE_NODE, ["env.reward_model.resources.gpus_per_node=4"]))
+    assert plan.placements == {"policy": Placement("policy", (0,), 4),
+                               "reward_model": Placement("reward_model", (0,), 4)}
+    assert plan.colocated_generation and plan.placement_of("generation") is plan.placements["policy"]
+    assert plan.gpus_on_node(0) == {"policy": 4, "reward_model": 4}
+    assert plan.describe() == ("policy: nodes 0 x 4 GPUs = 4 (colocated with generation)\n"
+                               "reward_model: nodes 0 x 4 GPUs = 4")
+
+
+def test_one_node_non_colocated_policy_2_generation_2_reward_model_4():
+    plan = plan_resources(config(ONE_NODE, NON_COLOCATED, ["policy.generation.colocated.resources.gpus_per_node=2",
+                                                           "env.reward_model.resources.gpus_per_node=4"]))
+    assert plan.placements == {"policy": Placement("policy", (0,), 2),
+                               "generation": Placement("generation", (0,), 2),
+                               "reward_model": Placement("reward_model", (0,), 4)}
+    assert not plan.colocated_generation
+    assert [p.world_size for p in plan.placements.values()] == [2, 2, 4]
+    assert plan.describe() == ("policy: nodes 0 x 2 GPUs = 2\ngeneration: nodes 0 x 2 GPUs = 2\n"
+                               "reward_model: nodes 0 x 4 GPUs = 4")
+
+
+def test_several_nodes_generation_and_reward_model_get_their_own_nodes():
+    plan = plan_resources(config(FOUR_NODES, NON_COLOCATED, ["policy.generation.colocated.resources.num_nodes=1",
+                                                             "env.reward_model.resources.num_nodes=1",
+                                                             "env.reward_model.resources.gpus_per_node=null"]))
+    assert plan.placements == {"policy": Placement("policy", (0, 1), 8),
+                               "generation": Placement("generation", (2,), 8),
+                               "reward_model": Placement("reward_model", (3,), 8)}
+    assert plan.placements["policy"].world_size == 16 and plan.num_nodes == 4
+    assert plan.placements["policy"].bundle_nodes() == [0] * 8 + [1] * 8
+    assert plan.describe().splitlines()[0] == "policy: nodes 0-1 x 8 GPUs = 16"
+    assert plan.gpus_on_node(3) == {"reward_model": 8}
+
+
+def test_several_nodes_reward_model_uses_its_gpus_per_node_of_a_whole_node():
+    plan = plan_resources(config(FOUR_NODES, ["env.reward_model.resources.num_nodes=2",
+                                              "env.reward_model.resources.gpus_per_node=4"]))
+    assert plan.placements == {"policy": Placement("policy", (0, 1), 8),
+                               "reward_model": Placement("reward_model", (2, 3), 4)}
+
+
+def test_without_reward_model_the_policy_gets_everything():
+    plan = plan_resources(load_config(None, FOUR_NODES + ["policy.train_micro_batch_size=4"]))  # a validated one
+    assert plan.placements == {"policy": Placement("policy", (0, 1, 2, 3), 8)}
+    disabled = plan_resources(config(ONE_NODE, ["env.reward_model.enabled=false"]))
+    assert disabled.placements == {"policy": Placement("policy", (0,), 8)}
+    cluster = disabled.placements["policy"].as_cluster(num_threads_per_worker=2)
+    assert (cluster.gpus_per_node, cluster.num_nodes, cluster.num_threads_per_worker) == (8, 1, 2)
+
+
+def _plan_error(*overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        plan_resources(config(*overrides))
+    return str(info.value)
+
+
+def test_one_node_with_nothing_left_for_the_policy_shows_the_arithmetic():
+    msg = _plan_error(ONE_NODE, NON_COLOCATED, ["policy.generation.colocated.resources.gpus_per_node=6",
+                                                "env.reward_model.resources.gpus_per_node=4"])
+    assert msg == ("config key 'env.reward_model.resources.gpus_per_node': cluster.gpus_per_node 8 - "
+                   "generation 6 - reward model 4 = -2 GPUs left for the policy (needs >= 1)")
+
+
+def test_one_node_reward_model_taking_every_gpu():
+    msg = _plan_error(ONE_NODE, ["env.reward_model.resources.gpus_per_node=8"])
+    assert "'env.reward_model.resources.gpus_per_node'" in msg
+    assert "cluster.gpus_per_node 8 - reward model 8 = 0 GPUs left for the policy" in msg
+
+
+def test_several_nodes_with_no_node_left_for_the_policy():
+    msg = _plan_error(FOUR_NODES, NON_COLOCATED, ["policy.generation.colocated.resources.num_nodes=2",
+                                                  "env.reward_model.resources.num_nodes=2"])
+    assert msg == ("config key 'env.reward_model.resources.num_nodes': cluster.num_nodes 4 - generation 2 - "
+                   "reward model 2 = 0 nodes left for the policy (needs >= 1)")
+
+
+def test_non_colocated_generation_without_resources_says_which_key_to_set():
+    # no resources at all: a separate engine that reserves no devices (a CPU cluster; refit.py rejects it on GPUs)
+    plan = plan_resources(config(ONE_NODE, NON_COLOCATED))
+    assert "generation" not in plan.placements
+    assert sum(p.world_size for p in plan.placements.values()) == 8  # the policy gets the rest
+    msg = _plan_error(FOUR_NODES, NON_COLOCATED, ["policy.generation.colocated.resources.gpus_per_node=8"])
+    assert "set policy.generation.colocated.resources.num_nodes" in msg and "cluster.num_nodes 4" in msg
+
+
+def test_reward_model_gpus_per_node_above_the_nodes_gpus():
+    msg = _plan_error(FOUR_NODES, ["env.reward_model.resources.gpus_per_node=16"])
+    assert msg == ("config key 'env.reward_model.resources.gpus_per_node': reward model 16 GPUs per node > "
+                   "cluster.gpus_per_node 8")
+
+
+def test_one_node_reward_model_asking_for_more_nodes():
+    msg = _plan_error(ONE_NODE, ["env.reward_model.resources.num_nodes=2"])
+    assert msg == ("config key 'env.reward_model.resources.num_nodes': 2 nodes for the reward model > "
+                   "cluster.num_nodes 1")
+
+
+@pytest.mark.parametrize("key", ["env.reward_model.resources.gpus_per_node", "env.reward_model.resources.num_nodes"])
+def test_non_positive_resources(key):
+    msg = _plan_error(ONE_NODE, [f"{key}=0"])
+    assert msg == f"config key '{key}': must be > 0, got 0"
+
+
+def test_non_positive_cluster_is_rejected_by_the_plan_too():
+    cfg = config(ONE_NODE)
+    cfg.cluster.gpus_per_node = -1  # (validation rejects it first; the plan does not rely on that)
+    with pytest.raises(ConfigError, match=r"'cluster.gpus_per_node': must be > 0, got -1"):
+        plan_resources(cfg)
+
+
+def _ray_node(node_id, *resources, alive=True, gpus=8):
+    return {"NodeID": node_id, "Alive": alive,
+            "Resources": {"CPU": 9.0, "GPU": float(gpus), **dict.fromkeys(resources, 1.0)}}
+
+
+def test_node_order_is_node_index_then_head_then_node_id(monkeypatch):
+    import ray
+
+    from nemo_grpo.distributed.resource_plan import ordered_node_ids
+
+    nodes = [_ray_node("cc"), _ray_node("aa"), _ray_node("ff", "node:__internal_head__"), _ray_node("bb", alive=False),
+             _ray_node("00", gpus=0)]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    assert ordered_node_ids() == ["ff", "aa", "cc"]  # head first; no dead node, no node without GPUs
+    assert ordered_node_ids("CPU") == ["ff", "00", "aa", "cc"]
+    nodes[0]["Resources"]["node_index:0"] = 1.0
+    nodes[1]["Resources"]["node_index:1"] = 1.0
+    assert ordered_node_ids() == ["cc", "aa", "ff"]  # node_index:<k> before the nodes without one
