@@ -307,21 +307,23 @@ def _explain(e: OmegaConfBaseException) -> str:
     return f"config key '{key}': {msg}"
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> MasterConfig:
-    """YAML recipe (optional) + dotted overrides -> validated MasterConfig."""
-    schema = OmegaConf.structured(MasterConfig)
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, *, schema: type = None,
+                check=None) -> Any:
+    """YAML recipe (optional) + dotted overrides -> a validated config: MasterConfig and `validate`, or another
+    dataclass `schema` with its own `check(cfg)` (e.g. reward-model training)."""
+    schema, check = schema or MasterConfig, check or validate
     try:
-        merged = schema
+        merged = OmegaConf.structured(schema)
         if path:
             merged = OmegaConf.merge(merged, _read_yaml(path))
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override '{item}' must look like key.sub=value")
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
-        cfg: MasterConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_explain(e)) from None
-    validate(cfg)
+    check(cfg)
     return cfg
 
 

@@ -7,11 +7,12 @@ combined with a "prompt" string (the reward-bench layout: "prompt", "chosen", "r
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import torch
 
-from nemo_grpo.data.datasets import DataError, jsonl_rows
+from nemo_grpo.data.datasets import DataError, addition_problems, jsonl_rows
 
 Messages = list[dict[str, str]]
 
@@ -25,8 +26,26 @@ def _as_messages(side: Any, prompt: Any, where: str) -> Messages:
     raise DataError(f"{where}: 'chosen'/'rejected' must be a response string or a list of chat messages")
 
 
-def read_preference_pairs(path: str) -> list[dict[str, Any]]:
-    """JSONL -> [{"chosen": Messages, "rejected": Messages, "subset": str}] (subset "all" when absent)."""
+BUILTIN_PREFIX = "builtin:"
+
+
+def addition_preferences(seed: int, wrong_per_problem: int = 4) -> list[dict[str, Any]]:
+    """The default task as preferences: "a+b=" answered with the sum (chosen) vs another number (rejected)."""
+    rng = random.Random(seed)
+    pairs = []
+    for p in addition_problems():
+        for wrong in rng.sample([n for n in range(19) if str(n) != p["answer"]], wrong_per_problem):
+            user = {"role": "user", "content": p["problem"]}
+            pairs.append({"chosen": [user, {"role": "assistant", "content": p["answer"]}],
+                          "rejected": [user, {"role": "assistant", "content": str(wrong)}], "subset": "addition"})
+    return pairs
+
+
+def read_preference_pairs(path: str, seed: int = 0) -> list[dict[str, Any]]:
+    """JSONL -> [{"chosen": Messages, "rejected": Messages, "subset": str}] (subset "all" when absent);
+    "builtin:addition" generates the default task's pairs (seeded)."""
+    if path == BUILTIN_PREFIX + "addition":
+        return addition_preferences(seed)
     pairs = []
     for where, row in jsonl_rows(path):
         missing = [k for k in ("chosen", "rejected") if k not in row]

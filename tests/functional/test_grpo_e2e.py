@@ -1,4 +1,5 @@
-"""End-to-end GRPO on the CPU: the default recipe learns; a killed run resumes exactly."""
+"""End-to-end on the CPU: the default recipe learns on both back ends; a killed run resumes exactly; GRPO
+against a reward model trained here raises that model's reward."""
 
 import json
 import os
@@ -10,16 +11,34 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_train(tmp_path, *overrides, timeout=1500):
-    """`python -m nemo_grpo.train` in a fresh process (its own Ray cluster), as a user runs it."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", NEMO_GRPO_CACHE=str(tmp_path.parent / "nemo_grpo_cache"))
+@pytest.fixture(scope="module", autouse=True)
+def builtin_model_cache(tmp_path_factory):
+    """The warm-started built-in model is built once for this module's runs (NEMO_GRPO_CACHE)."""
+    old = os.environ.get("NEMO_GRPO_CACHE")
+    os.environ["NEMO_GRPO_CACHE"] = str(tmp_path_factory.mktemp("nemo_grpo_cache"))
+    yield
+    if old is None:
+        os.environ.pop("NEMO_GRPO_CACHE")
+    else:
+        os.environ["NEMO_GRPO_CACHE"] = old
+
+
+def run_module(module: str, tmp_path, *overrides, config: str = None, timeout: int = 1500):
+    """`python -m <module> [--config X] ...` in a fresh process (its own Ray cluster), as a user runs it; logs
+    and checkpoints under tmp_path."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
-    args = [f"checkpointing.checkpoint_dir={tmp_path}/ckpt", f"logger.log_dir={tmp_path}/logs",
-            "logger.progress_bar=false", *overrides]
-    proc = subprocess.run([sys.executable, "-m", "nemo_grpo.train", *args], cwd=ROOT, env=env, timeout=timeout,
+    args = (["--config", config] if config else []) + [
+        f"checkpointing.checkpoint_dir={tmp_path}/ckpt", f"logger.log_dir={tmp_path}/logs", *overrides]
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, timeout=timeout,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
+
+
+def run_train(tmp_path, *overrides, config: str = None, timeout: int = 1500):
+    return run_module("nemo_grpo.train", tmp_path, "logger.progress_bar=false", *overrides, config=config,
+                      timeout=timeout)
 
 
 def read_metrics(log_dir, prefix):
@@ -62,3 +81,22 @@ def test_kill_and_resume_continues_exactly(tmp_path):
         for ra, rb in zip(a[2:], b[2:]):
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-6), (key, ra["step"])
     assert sorted(os.listdir(f"{split}/ckpt")) == ["step_2", "step_4"]
+
+
+@pytest.mark.slow
+def test_grpo_against_a_reward_model_trained_here(tmp_path):
+    """train_rm on Megatron (TP=2) -> its HF export scores GRPO rollouts on the DTensor back end's reward
+    model environment; the reward model's reward rises by the default recipe's criterion."""
+    rm_dir = tmp_path / "rm"
+    run_module("nemo_grpo.train_rm", rm_dir, "policy.backend=megatron",
+               "policy.megatron_cfg.tensor_model_parallel_size=2", f"rm.output_dir={rm_dir}",
+               config="configs/rm_tiny_cpu.yaml")
+    val = read_metrics(f"{rm_dir}/logs", "val")
+    assert val[-1]["accuracy"] >= 0.8, val
+    run_train(tmp_path / "grpo", f"env.reward_model.model_name={rm_dir}/hf", "grpo.max_num_steps=100",
+              "grpo.val_period=0", "grpo.val_at_start=false", config="configs/grpo_rm_tiny_cpu.yaml")
+    train = read_metrics(f"{tmp_path}/grpo/logs", "train")
+    rewards = [r["reward"] for r in train]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last - first >= 0.3, (first, last)
+    assert all(r["reward_model_env/num_samples"] == 128 for r in train)
