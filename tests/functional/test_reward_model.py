@@ -138,3 +138,43 @@ def test_environment_scores_like_the_hf_classifier(ray_cluster, tiny_model_dir, 
             break
         __import__("time").sleep(0.2)
     assert live_placement_groups() == before
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+def test_evaluation_per_subset_is_identical_on_both_back_ends(ray_cluster, tiny_model_dir, tmp_path, capsys):
+    """eval_rm's per-subset accuracies: the same on DTensor and Megatron TP=2, and as HF's classifier ranks."""
+    import json
+
+    from transformers import AutoModelForSequenceClassification
+
+    from nemo_grpo.config import RewardModelEnvConfig
+    from nemo_grpo.data.preferences import read_preference_pairs
+    from nemo_grpo.eval_rm import evaluate, main
+
+    path = tiny_model_dir("qwen2", scalar_head=True)
+    data = tmp_path / "pairs.jsonl"
+    with open(data, "w") as f:
+        for i, p in enumerate(marker_pairs(24, seed=5)):
+            f.write(json.dumps({"prompt": p["chosen"][0]["content"], "chosen": p["chosen"][1]["content"],
+                                "rejected": p["rejected"][1]["content"], "subset": f"subset{i % 3}"}) + "\n")
+    pairs = read_preference_pairs(str(data))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+
+    def hf_score(messages):
+        ids = render_conversation(tokenizer, messages, 64)[0]
+        return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+
+    with torch.no_grad():
+        wins = [hf_score(p["chosen"]) > hf_score(p["rejected"]) for p in pairs]
+    expected = {f"subset{k}": sum(wins[k::3]) / 8 for k in range(3)}
+    dtensor = evaluate(RewardModelEnvConfig(model_name=path, batch_size=8, backend="dtensor"), pairs)
+    mcfg = RewardModelEnvConfig(model_name=path, batch_size=8, backend="megatron")
+    mcfg.megatron_cfg.tensor_model_parallel_size = 2
+    megatron = evaluate(mcfg, pairs, num_workers=2)
+    assert dtensor == megatron
+    assert {k: v[0] for k, v in dtensor.items() if k != "all"} == pytest.approx(expected)
+    assert dtensor["all"] == (pytest.approx(sum(wins) / 24), 24)
+    assert main(["--model", path, "--data", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert "subset1" in out and f"{expected['subset1']:9.4f}" in out
