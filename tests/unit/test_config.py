@@ -4,6 +4,7 @@ import glob
 import os
 
 import pytest
+from omegaconf import OmegaConf
 
 from nemo_grpo.config import ConfigError, load_config
 
@@ -73,6 +74,17 @@ def test_bad_config_names_the_key(overrides, key):
     assert key in str(e.value)
 
 
+def _merged_yaml(recipe: str):
+    """A recipe with its `defaults:` chain merged (no schema)."""
+    import yaml
+
+    with open(recipe) as f:
+        data = yaml.safe_load(f) or {}
+    parent = data.pop("defaults", None)
+    base = _merged_yaml(os.path.join(os.path.dirname(recipe), parent)) if parent else OmegaConf.create({})
+    return OmegaConf.merge(base, data)
+
+
 @pytest.mark.parametrize("recipe", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),
                          ids=os.path.basename)
 def test_every_recipe_validates(recipe, tiny_model_dir):
@@ -84,11 +96,12 @@ def test_every_recipe_validates(recipe, tiny_model_dir):
         cfg = load_config(recipe, schema=RMTrainConfig, check=check)
         assert cfg.data.train_data_path
         return
-    import yaml
-
-    with open(recipe) as f:
-        has_rm = "reward_model" in (yaml.safe_load(f).get("env") or {})
-    overrides = [f"env.reward_model.model_name={tiny_model_dir('qwen2', scalar_head=True)}"] if has_rm else []
+    overrides = []
+    for key, model in (("policy.model_name", tiny_model_dir("qwen2")),
+                       ("env.reward_model.model_name", tiny_model_dir("qwen2", scalar_head=True))):
+        value = OmegaConf.select(_merged_yaml(recipe), key)
+        if value is not None and not str(value).startswith("builtin:") and not os.path.isdir(value):
+            overrides.append(f"{key}={model}")  # a model the recipe's user downloads (or train_rm makes) first
     cfg = load_config(recipe, overrides)
     assert cfg.policy.backend in ("dtensor", "megatron")
 
