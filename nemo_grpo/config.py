@@ -72,6 +72,14 @@ class ColocatedConfig:
 
 
 @dataclass
+class VllmConfig:
+    """policy.generation.vllm_cfg (NeMo RL's keys)."""
+    tensor_parallel_size: int = 1  # devices of one engine (CPU: worker processes, threads unbound)
+    gpu_memory_utilization: float = 0.6  # of each GPU, for weights + KV cache (colocated: the policy shares it)
+    max_model_len: Optional[int] = None  # null: min(max_position_embeddings, 32768)
+
+
+@dataclass
 class GenerationConfig:
     backend: str = "vllm"  # vllm | torch (vllm falls back to torch, with a notice, where it is not installed)
     max_new_tokens: int = 4
@@ -82,6 +90,7 @@ class GenerationConfig:
     stop_token_ids: Optional[list[int]] = None  # besides the tokenizer's EOS
     refit_bucket_size_mb: float = 256.0  # weights travel to the engine in buckets of about this size
     colocated: ColocatedConfig = field(default_factory=ColocatedConfig)
+    vllm_cfg: VllmConfig = field(default_factory=VllmConfig)
 
 
 @dataclass
@@ -382,6 +391,9 @@ def _validate_policy(cfg: MasterConfig) -> None:
     _need(g.top_k is None or g.top_k > 0, "policy.generation.top_k", "must be > 0 or null")
     _need(g.max_new_tokens > 0, "policy.generation.max_new_tokens", "must be > 0")
     _need(g.refit_bucket_size_mb > 0, "policy.generation.refit_bucket_size_mb", "must be > 0")
+    _need(g.vllm_cfg.tensor_parallel_size > 0, "policy.generation.vllm_cfg.tensor_parallel_size", "must be > 0")
+    _need(0 < g.vllm_cfg.gpu_memory_utilization <= 1, "policy.generation.vllm_cfg.gpu_memory_utilization",
+          f"must be in (0, 1], got {g.vllm_cfg.gpu_memory_utilization}")
     for key in ("gpus_per_node", "num_nodes"):  # (on GPUs non-colocated generation needs both: refit.py checks)
         value = getattr(g.colocated.resources, key)
         _need(value is None or value > 0, f"policy.generation.colocated.resources.{key}",

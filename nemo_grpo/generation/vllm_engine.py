@@ -23,8 +23,11 @@ buffer a fused layer's tensors until the layer is complete, across buckets), `fi
 the end, then `reset_prefix_cache()`. Memory stays at about one layer beyond the current bucket instead of a
 second copy of the model, and any bucket boundary is fine. Non-colocated, the same three phases run inside
 one `receive_weights` call (`WeightReceiver`, generation/refit.py), the buckets arriving over a weight-transfer
-group instead of through the driver. Loading uses the in-process worker
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the engine is single-device (no vLLM tensor parallelism).
+group instead of through the driver. Each phase runs on every vLLM worker through `LLM.collective_rpc`, so
+`policy.generation.vllm_cfg.tensor_parallel_size > 1` works the same way: every TP worker receives the full
+HF tensors of a bucket and keeps its shard (its own `load_weights`). With TP 1 the worker is in the actor's
+process; with more, vLLM starts one process per device (on a CPU with `VLLM_CPU_OMP_THREADS_BIND=nobind`
+unless set: vLLM's automatic binding wants a NUMA node per worker).
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ import torch
 from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput
 from nemo_grpo.generation.refit import WeightReceiver
 
-# environment of the engine's actor: vLLM's engine core in the actor's own process (no subprocess), so the
-# worker and its model are reachable for in-place refit
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# environment of the engine's actor: vLLM's engine core in the actor's own process (no subprocess); refit
+# phases are functions sent to the workers (collective_rpc), which vLLM's multiprocess executor only
+# accepts with insecure serialization allowed (the functions are ours, in this module)
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+CPU_TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # CPU, tensor_parallel_size > 1, unless the user set it
 # per-step INFO lines (prefix-cache resets) and one warning per refit that is expected with bucketed reloads:
 # layers without checkpoint tensors (rotary caches) keep their kernel tensors, which is what we want
 QUIET_LOGGING = {"VLLM_LOGGING_LEVEL": "WARNING"}
@@ -110,7 +115,7 @@ class VllmGenerationWorker(WeightReceiver):
     (colocated) or from a weight-transfer group (non-colocated, WeightReceiver)."""
 
     def __init__(self, model_path: str, num_threads: int = 1, max_model_len: Optional[int] = None,
-                 gpu_memory_utilization: float = 0.9, seed: int = 0):
+                 gpu_memory_utilization: float = 0.9, seed: int = 0, tensor_parallel_size: int = 1):
         for key, value in ENGINE_ENV.items():
             os.environ[key] = value  # before vLLM is imported; the actor's runtime_env sets them too
         for key, value in QUIET_LOGGING.items():
@@ -118,13 +123,14 @@ class VllmGenerationWorker(WeightReceiver):
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             lambda record: record.getMessage() != EXPECTED_RELOAD_WARNING)
         torch.set_num_threads(num_threads)  # before vLLM's CPU worker disables set_num_threads
-        self.llm = self._build_llm(model_path, max_model_len, gpu_memory_utilization, seed)
+        self.llm = self._build_llm(model_path, max_model_len, gpu_memory_utilization, seed, tensor_parallel_size)
         config = self.llm.llm_engine.model_config.hf_config
         self.known_names = checkpoint_weight_names(model_path, bool(getattr(config, "tie_word_embeddings", False)))
         self._refit_loaded: Optional[int] = None  # tensors loaded in the open refit; None when none is open
 
     @staticmethod
-    def _build_llm(model_path: str, max_model_len: Optional[int], gpu_memory_utilization: float, seed: int):
+    def _build_llm(model_path: str, max_model_len: Optional[int], gpu_memory_utilization: float, seed: int,
+                   tensor_parallel_size: int):
         from transformers import AutoConfig
         from vllm import LLM
 
@@ -132,9 +138,13 @@ class VllmGenerationWorker(WeightReceiver):
         if max_model_len is None:
             positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
             max_model_len = min(positions or MAX_MODEL_LEN_CAP, MAX_MODEL_LEN_CAP)
+        if tensor_parallel_size > 1 and not cuda:
+            for key, value in CPU_TP_ENV.items():
+                os.environ.setdefault(key, value)
         return LLM(model=model_path, dtype="bfloat16" if cuda else "float32", enforce_eager=not cuda,
                    max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
-                   gpu_memory_utilization=gpu_memory_utilization)
+                   gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                   distributed_executor_backend="mp" if tensor_parallel_size > 1 else None)
 
     def generate(self, prompts, cfg, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
         """One sample per prompt (token-id lists) -> list[GenerationOutput]; sampling settings from `cfg`."""
@@ -159,29 +169,16 @@ class VllmGenerationWorker(WeightReceiver):
     def _weight_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-    def _worker(self):
-        """The in-process vLLM worker (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-        core = self.llm.llm_engine.engine_core
-        if not hasattr(core, "engine_core"):
-            raise RuntimeError("vLLM runs its engine core in a subprocess; set VLLM_ENABLE_V1_MULTIPROCESSING=0")
-        return core.engine_core.model_executor.driver_worker.worker
-
     def begin_refit(self) -> None:
-        """Open a refit: the model's layers go to the meta device, their loaders buffer until a layer is whole."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
+        """Open a refit: on every worker the model's layers go to the meta device, their loaders buffer until a
+        layer is whole."""
         if self._refit_loaded is not None:
             raise RuntimeError("begin_refit: a refit is already open")
-        worker = self._worker()
-        with set_current_vllm_config(worker.vllm_config):
-            initialize_layerwise_reload(worker.model_runner.get_model())
+        self.llm.collective_rpc(_begin_reload)
         self._refit_loaded = 0
 
     def load_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
-        """Load one bucket of HF-named full tensors into the open refit; returns how many were given."""
-        from vllm.config import set_current_vllm_config
-
+        """Load one bucket of HF-named full tensors into the open refit (every worker); returns how many."""
         if self._refit_loaded is None:
             raise RuntimeError("load_bucket: no refit is open (call begin_refit first)")
         if self.known_names is not None:
@@ -189,50 +186,77 @@ class VllmGenerationWorker(WeightReceiver):
             if unknown:
                 raise KeyError(f"refit: the engine's model has no parameter(s) {unknown[:5]}; weights loaded "
                                "so far in this refit are kept, so the engine may now hold a mix")
-        worker = self._worker()
-        with set_current_vllm_config(worker.vllm_config):
-            worker.model_runner.get_model().load_weights(iter(bucket.items()))
+        self.llm.collective_rpc(_load_bucket, args=(list(bucket.items()),))
         self._refit_loaded += len(bucket)
         return len(bucket)
 
     def finish_refit(self) -> int:
         """Close the refit: process and place every layer, drop cached prefixes; returns tensors loaded."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         if self._refit_loaded is None:
             return 0
-        worker = self._worker()
-        runner = worker.model_runner
-        with set_current_vllm_config(worker.vllm_config):
-            finalize_layerwise_reload(runner.get_model(), worker.vllm_config.model_config)
-        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
-            if hasattr(runner, reset):
-                getattr(runner, reset)()
+        self.llm.collective_rpc(_finish_reload)
         self.llm.reset_prefix_cache()
         loaded, self._refit_loaded = self._refit_loaded, None
         return loaded
+
+
+# ---------------------------------------------------------------------------------------------- on each worker
+# collective_rpc calls these with vLLM's worker wrapper (each TP worker, in its own process when TP > 1)
+def _worker_of(wrapper):
+    return getattr(wrapper, "worker", wrapper)
+
+
+def _begin_reload(wrapper) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    worker = _worker_of(wrapper)
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def _load_bucket(wrapper, items: list[tuple[str, torch.Tensor]]) -> None:
+    from vllm.config import set_current_vllm_config
+
+    worker = _worker_of(wrapper)
+    with set_current_vllm_config(worker.vllm_config):
+        worker.model_runner.get_model().load_weights(iter(items))
+
+
+def _finish_reload(wrapper) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    worker = _worker_of(wrapper)
+    runner = worker.model_runner
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(runner.get_model(), worker.vllm_config.model_config)
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
+        if hasattr(runner, reset):
+            getattr(runner, reset)()
 
 
 class VllmGeneration(GenerationEngine):
     """Driver-side front of one VllmGenerationWorker actor.
 
     The front owns `cfg`: every `generate` call sends it along, so the sampling settings in effect are those of
-    `self.cfg` at call time. On a Ray cluster with GPUs the actor takes one GPU (vLLM in bfloat16).
+    `self.cfg` at call time. On a Ray cluster with GPUs the actor takes cfg.vllm_cfg.tensor_parallel_size
+    GPUs (vLLM in bfloat16; its TP workers use the actor's devices).
     """
 
-    def __init__(self, cfg, model_path: str, cluster_cfg, *, max_model_len: Optional[int] = None,
-                 gpu_memory_utilization: float = 0.9, seed: int = 0):
+    def __init__(self, cfg, model_path: str, cluster_cfg, *, seed: int = 0):
         import ray
 
         if not vllm_available():
             raise ImportError("policy.generation.backend 'vllm' needs vLLM installed (pip install vllm)")
         self.cfg = cfg
         env = dict(ENGINE_ENV, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB))
-        num_gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        v = cfg.vllm_cfg
+        num_gpus = v.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
         self.actor = ray.remote(VllmGenerationWorker).options(
             num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env}).remote(
-            model_path, cluster_cfg.num_threads_per_worker, max_model_len, gpu_memory_utilization, seed)
+            model_path, cluster_cfg.num_threads_per_worker, v.max_model_len, v.gpu_memory_utilization, seed,
+            v.tensor_parallel_size)
         ray.get(self.actor.__ray_ready__.remote())  # surface start-up errors here, not at the first generate
 
     def generate(self, prompts, *, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
