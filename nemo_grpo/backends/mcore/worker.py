@@ -13,7 +13,9 @@ Only what differs from `PolicyWorker` is here:
 - export: TP shards all-gathered on the owning stage, mapped to full HF tensors, sent to rank 0;
 - checkpoints: torch.distributed.checkpoint of HF-named full tensors (weights and optimizer moments), so a
   checkpoint loads at any TP / PP / DP layout.
-Optimizer: the base's torch optimizer over the local shards (Megatron's DistributedOptimizer is not wired in).
+Optimizer: a torch optimizer over the "main" parameters: the local shards themselves in fp32; in bf16, fp32
+master copies with fp32 gradient accumulation. use_distributed_optimizer shards its state over the DP group
+(ZeRO-1, torch's ZeroRedundancyOptimizer), not Megatron's DistributedOptimizer.
 """
 
 from __future__ import annotations
