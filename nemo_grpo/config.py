@@ -173,6 +173,18 @@ class MathEnvConfig:
 
 
 @dataclass
+class CodeEnvConfig:
+    """env.code: model-written Python run in the sandbox (nemo_grpo/envs/sandbox.py) against test cases."""
+    num_workers: int = 2  # sandbox worker actors (each runs one program at a time)
+    terminate_on_evaluation: bool = True  # false: multi-turn (code blocks run, output returned)
+    reward_mode: str = "fraction"  # fraction of the cases passed | all_or_nothing
+    timeout_s: float = 5.0  # wall clock per run
+    cpu_s: int = 5
+    memory_mb: int = 512
+    max_output_bytes: int = 65536
+
+
+@dataclass
 class RewardModelTypeConfig:
     enabled: bool = True
     reward_model_type: str = "bradley_terry"  # a scalar head over the last real token (the only type so far)
@@ -199,6 +211,7 @@ class RewardModelEnvConfig:
 class EnvConfig:
     math: Optional[MathEnvConfig] = field(default_factory=MathEnvConfig)
     reward_model: Optional[RewardModelEnvConfig] = None
+    code: Optional[CodeEnvConfig] = None
 
 
 @dataclass
@@ -516,6 +529,12 @@ def _validate_data_env(cfg: MasterConfig) -> None:
         from nemo_grpo.distributed.resource_plan import plan_resources
 
         _validate_reward_model(cfg.env.reward_model, plan_resources(cfg).placements["reward_model"].world_size)
+    if cfg.env.code is not None:
+        c = cfg.env.code
+        _need(c.num_workers > 0, "env.code.num_workers", "must be > 0")
+        _choice(c.reward_mode, "env.code.reward_mode", ["fraction", "all_or_nothing"])
+        _need(c.timeout_s > 0 and c.cpu_s > 0 and c.memory_mb > 0, "env.code.timeout_s",
+              "timeout_s, cpu_s and memory_mb must be > 0")
     if cfg.env.math is not None:
         _need(cfg.env.math.num_workers > 0, "env.math.num_workers", "must be > 0")
         _need(cfg.env.math.timeout_s > 0, "env.math.timeout_s", "must be > 0")

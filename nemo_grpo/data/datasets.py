@@ -54,7 +54,10 @@ def read_jsonl(path: str, input_key: str, output_key: str) -> list[dict[str, str
         for key, what in ((input_key, "input_key"), (output_key, "output_key")):
             if key not in row:
                 raise DataError(f"{where}: missing key '{key}' (data.*.{what}); keys present: {sorted(row)}")
-        items.append({"problem": str(row[input_key]), "answer": str(row[output_key])})
+        extra = row.get("extra_env_info", {})
+        if not isinstance(extra, dict):
+            raise DataError(f"{where}: 'extra_env_info' must be an object (e.g. {{\"tests\": [...]}})")
+        items.append({"problem": str(row[input_key]), "answer": str(row[output_key]), "extra_env_info": extra})
     return items
 
 

@@ -62,7 +62,8 @@ def build_prompts(problems: list[dict[str, str]], tokenizer, cfg: DatasetConfig,
             dropped += 1
             continue
         datums.append(Datum(message_log=messages, prompt_ids=ids, task_name=cfg.env_name, idx=idx,
-                            extra_env_info={"ground_truth": item["answer"]}))
+                            extra_env_info={"ground_truth": item["answer"],
+                                            **item.get("extra_env_info", {})}))
     if dropped:
         log.warning("dropped %d of %d prompts longer than data.max_input_seq_length=%d tokens",
                     dropped, len(problems), max_input_seq_length)

@@ -11,6 +11,7 @@ ENVIRONMENTS = {
     "math": "nemo_grpo.envs.math_env:MathEnvironment",
     "guess": "nemo_grpo.envs.guessing_game:GuessingGameEnvironment",
     "reward_model": "nemo_grpo.envs.reward_model_env:RewardModelEnvironment",
+    "code": "nemo_grpo.envs.code_env:CodeEnvironment",
 }
 
 
