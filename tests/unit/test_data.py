@@ -22,9 +22,13 @@ def test_builtin_addition_is_complete():
 
 def test_jsonl_with_custom_keys(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_text("\n".join(json.dumps({"question": f"{i}+1=", "solution": str(i + 1)}) for i in range(5)) + "\n\n")
+    rows = [{"question": f"{i}+1=", "solution": str(i + 1)} for i in range(5)]
+    rows[3]["extra_env_info"] = {"tests": [{"input": "", "output": "4"}]}
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     cfg = DatasetConfig(dataset_name="ResponseDataset", data_path=str(path), input_key="question", output_key="solution")
-    assert load_problems(cfg)[2] == {"problem": "2+1=", "answer": "3"}
+    problems = load_problems(cfg)
+    assert problems[2] == {"problem": "2+1=", "answer": "3", "extra_env_info": {}}
+    assert problems[3]["extra_env_info"] == {"tests": [{"input": "", "output": "4"}]}  # carried to the env
 
 
 def test_jsonl_errors_name_file_line_and_key(tmp_path):
