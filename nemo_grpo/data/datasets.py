@@ -22,7 +22,23 @@ def addition_problems() -> list[dict[str, str]]:
     return [{"problem": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
 
 
-BUILTIN_DATASETS = {"addition": addition_problems}
+OPERATIONS = {"plus": "+", "minus": "-", "times": "*"}
+
+
+def arithmetic_code_problems() -> list[dict]:
+    """300 tiny coding tasks in the character tokenizer's alphabet: "code:3 times 4=" asks for a program that
+    prints 12 (a reference solution is "print(3*4)"); the code environment runs it against that one case."""
+    out = []
+    for word, op in OPERATIONS.items():
+        for a in range(10):
+            for b in range(10):
+                value = str(eval(f"{a}{op}{b}"))  # noqa: S307 (digits and an operator of ours)
+                out.append({"problem": f"code:{a} {word} {b}=", "answer": value, "solution": f"print({a}{op}{b})",
+                            "extra_env_info": {"tests": [{"input": "", "output": value}]}})
+    return out
+
+
+BUILTIN_DATASETS = {"addition": addition_problems, "arithmetic_code": arithmetic_code_problems}
 
 
 def jsonl_rows(path: str) -> Iterator[tuple[str, dict]]:

@@ -3,7 +3,8 @@
 `builtin:tiny-addition` is a 335k-parameter Qwen2 with a character tokenizer, supervised-warm-started on
 single-digit additions until its expected reward at temperature 1 reaches `WARM_TARGET` (it then answers
 about a quarter of the problems; GRPO has room to improve it). The loss and reward recipe follows
-../shared/notes/learning-demo.md. After it is built, it is loaded like any user model.
+../shared/notes/learning-demo.md. `builtin:tiny-code` is the same model warm-started the same way on the
+arithmetic_code tasks ("code:3 times 4=" -> "print(3*4)"). After it is built, it is loaded like any user model.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nemo_grpo.config import BUILTIN_MODEL_PREFIX
-from nemo_grpo.data.datasets import addition_problems
+from nemo_grpo.data.datasets import addition_problems, arithmetic_code_problems
 from nemo_grpo.models.tiny import EOS_ID, PAD_ID, make_tokenizer, tiny_config
 
 WARM_TARGET = 0.25
-BUILTIN_MODELS = ("tiny-addition",)
-
+# name -> the problems its warm start imitates (the "solution" of a problem when it has one, else its answer)
+BUILTIN_MODELS = {"tiny-addition": addition_problems, "tiny-code": arithmetic_code_problems}
 
 def cache_root() -> str:
     return os.environ.get("NEMO_GRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nemo_grpo"))
@@ -30,7 +31,8 @@ def cache_root() -> str:
 
 def _answer_batch(tokenizer, problems):
     """[N, L] right-padded prompt+answer+EOS ids, [N, L] attention mask, and each row's prompt length."""
-    rows = [(tokenizer.encode(p["problem"]), tokenizer.encode(p["answer"]) + [EOS_ID]) for p in problems]
+    rows = [(tokenizer.encode(p["problem"]), tokenizer.encode(p.get("solution", p["answer"])) + [EOS_ID])
+            for p in problems]
     length = max(len(p) + len(a) for p, a in rows)
     ids = torch.full((len(rows), length), PAD_ID)
     mask = torch.zeros_like(ids)
@@ -55,12 +57,13 @@ def expected_reward(model, tokenizer, problems=None) -> float:
     return total / len(problems)
 
 
-def warm_start(seed: int = 0, target: float = WARM_TARGET, max_steps: int = 2000):
-    """Tiny Qwen2 trained with cross-entropy on the answers until expected_reward >= target."""
+def warm_start(seed: int = 0, target: float = WARM_TARGET, max_steps: int = 2000, problems=None):
+    """Tiny Qwen2 trained with cross-entropy on the answers (solutions) until expected_reward >= target."""
     tokenizer = make_tokenizer()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=len(tokenizer))).float()
-    problems, rng = addition_problems(), random.Random(seed)
+    problems = problems or addition_problems()
+    rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     for step in range(1, max_steps + 1):
         ids, mask, prompt_lens = _answer_batch(tokenizer, [rng.choice(problems) for _ in range(32)])
@@ -71,7 +74,7 @@ def warm_start(seed: int = 0, target: float = WARM_TARGET, max_steps: int = 2000
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step % 10 == 0 and expected_reward(model, tokenizer) >= target:
+        if step % 10 == 0 and expected_reward(model, tokenizer, problems) >= target:
             break
     return model, tokenizer
 
@@ -87,7 +90,7 @@ def resolve_model_path(model_name: str, seed: int = 0) -> str:
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     os.makedirs(cache_root(), exist_ok=True)
-    model, tokenizer = warm_start(seed)
+    model, tokenizer = warm_start(seed, problems=BUILTIN_MODELS[name]())
     tmp = tempfile.mkdtemp(dir=cache_root(), prefix=f".{name}-")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

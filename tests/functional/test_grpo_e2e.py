@@ -1,5 +1,5 @@
 """End-to-end on the CPU: the default recipe learns on both back ends; a killed run resumes exactly; GRPO
-against a reward model trained here raises that model's reward."""
+against a reward model trained here raises that model's reward; the code recipe learns in the sandbox."""
 
 import json
 import os
@@ -100,3 +100,16 @@ def test_grpo_against_a_reward_model_trained_here(tmp_path):
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last - first >= 0.3, (first, last)
     assert all(r["reward_model_env/num_samples"] == 128 for r in train)
+
+
+@pytest.mark.slow
+def test_code_recipe_learns(tmp_path):
+    """GRPO with the code environment: programs run in the sandbox; reward and greedy accuracy rise."""
+    run_train(tmp_path, config="configs/grpo_code_tiny_cpu.yaml")
+    train = read_metrics(f"{tmp_path}/logs", "train")
+    rewards = [r["reward"] for r in train]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last - first >= 0.3, (first, last)
+    val = read_metrics(f"{tmp_path}/logs", "val")
+    assert val[-1]["accuracy"] > val[0]["accuracy"] + 0.3, val
+    assert all(r["code/num_samples"] == 64 for r in train)
