@@ -39,6 +39,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
+from timing import median_seconds  # noqa: E402  (bench/timing.py)
 
 PROMPTS, GROUP, MAX_NEW, TEMPERATURE, LR, GRAD_NORM = 16, 8, 4, 1.0, 5e-4, 0.2
 SAMPLES = PROMPTS * GROUP
@@ -70,15 +71,6 @@ def nemo_overrides(engine: str, args, log_dir: str) -> list[str]:
             "checkpointing.enabled=false", f"logger.log_dir={log_dir}", "logger.progress_bar=false",
             "logger.tensorboard_enabled=false", "logger.plot=false",
             f"cluster.gpus_per_node={args.policy_ranks}", "cluster.num_threads_per_worker=1"]
-
-
-def median_seconds(fn, repeats: int = 20) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def copy_bound(trainer) -> dict[str, float]:

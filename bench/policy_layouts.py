@@ -19,11 +19,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import argparse  # noqa: E402
-import statistics  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
+from timing import median_seconds  # noqa: E402  (bench/timing.py)
 
 LAYOUTS = {  # name -> (backend, world size, policy overrides)
     "megatron:tp1": ("megatron", 1, {}),
@@ -66,12 +65,7 @@ def time_layout(name: str, path: str, args) -> dict:
     batch = make_batch(args.batch, args.seq_len, vocab=50)
     with Policy(cfg, cluster, path) as policy:
         policy.train(batch, MeanLogprobLoss())  # warm-up
-        seconds = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            policy.train(batch, MeanLogprobLoss())
-            seconds.append(time.perf_counter() - start)
-    s = statistics.median(seconds)
+        s = median_seconds(lambda: policy.train(batch, MeanLogprobLoss()), args.repeats)
     return {"seconds": s, "tok_per_s": args.batch * args.seq_len / s, "world": world}
 
 

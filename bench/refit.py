@@ -18,16 +18,7 @@ import tempfile
 import time
 
 import torch
-
-
-def timed(fn, repeats: int) -> float:
-    """Median seconds of fn() over repeats calls."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+from timing import median_seconds  # bench/timing.py
 
 
 def main() -> None:
@@ -63,18 +54,18 @@ def main() -> None:
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         print(f"model: {nbytes / 2**20:.1f} MiB in {len(state)} tensors; engine {args.engine}; "
               f"buckets of {args.bucket_mb} MB; median of {args.repeats}")
-        rows = [("in-memory clone", timed(lambda: {k: v.clone() for k, v in state.items()}, args.repeats)),
-                ("in-memory torch.cat", timed(lambda: torch.cat([v.reshape(-1) for v in state.values()]),
+        rows = [("in-memory clone", median_seconds(lambda: {k: v.clone() for k, v in state.items()}, args.repeats)),
+                ("in-memory torch.cat", median_seconds(lambda: torch.cat([v.reshape(-1) for v in state.values()]),
                                               args.repeats))]
         rows.append(("policy export only (to the driver)",
-                     timed(lambda: [None for _ in policy.export_weights(args.bucket_mb)], args.repeats)))
+                     median_seconds(lambda: [None for _ in policy.export_weights(args.bucket_mb)], args.repeats)))
         for mode, colocated in (("colocated (object store)", True), ("non-colocated (gloo group)", False)):
             gen_cfg = dataclasses.replace(cfg.generation, colocated=ColocatedConfig(enabled=colocated))
             refitter = make_refitter(policy, engine, gen_cfg)
             start = time.perf_counter()
             refitter.refit()  # warm-up; sets up the group in the non-colocated mode
             print(f"{mode}: first refit {time.perf_counter() - start:.3f} s")
-            rows.append((f"refit, {mode}", timed(refitter.refit, args.repeats)))
+            rows.append((f"refit, {mode}", median_seconds(refitter.refit, args.repeats)))
             if not colocated:
                 rows.append(("  of which policy side (gather+send)",
                              sorted(refitter.refit()["send_seconds"] for _ in range(args.repeats))[args.repeats // 2]))

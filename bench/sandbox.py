@@ -16,19 +16,10 @@ import os
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import argparse  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
-
-def median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from timing import median_seconds  # noqa: E402  (bench/timing.py)
 
 
 def overhead(repeats: int) -> dict[str, float]:

@@ -18,11 +18,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import argparse  # noqa: E402
-import statistics  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
+from timing import median_seconds  # noqa: E402  (bench/timing.py)
 
 LAYOUTS = {"dtensor:tp1": ("dtensor", 1), "dtensor:tp2": ("dtensor", 2),
            "megatron:tp1": ("megatron", 1), "megatron:tp2": ("megatron", 2)}
@@ -58,12 +57,8 @@ def time_layout(name: str, path: str, batch: dict, args) -> dict:
     with Policy(reward_model_policy_config(cfg), ClusterConfig(gpus_per_node=tp, num_nodes=1), path,
                 scalar_head=True) as policy:
         scores = policy.score(batch)  # warm-up, and the parity check
-        seconds = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            policy.score(batch)
-            seconds.append(time.perf_counter() - start)
-    return {"seconds": statistics.median(seconds), "scores": scores, "procs": tp}
+        seconds = median_seconds(lambda: policy.score(batch), args.repeats)
+    return {"seconds": seconds, "scores": scores, "procs": tp}
 
 
 def main() -> None:
