@@ -107,11 +107,12 @@ class TestTensorParallel:
 
 
 # ---------------------------------------------------------------------------------------------- PP=2, DP=2
-@pytest.mark.parametrize("arch,layout", [("qwen2", "pp2"), ("llama", "dp2")])
-def test_train_matches_single_process(ray_cluster, tiny_model_dir, arch, layout):
-    """PP=2: 4 micro-batches per step through 1F1B, the tied embedding's gradient summed over both stages."""
+@pytest.mark.parametrize("arch,layout,recompute", [("qwen2", "pp2", False), ("llama", "dp2", True)])
+def test_train_matches_single_process(ray_cluster, tiny_model_dir, arch, layout, recompute):
+    """PP=2: 4 micro-batches per step through 1F1B, the tied embedding's gradient summed over both stages;
+    DP=2 with activation checkpointing (every layer recomputed in the backward pass)."""
     path = tiny_model_dir(arch, **MODELS[arch])
-    with megatron_policy(path, layout) as policy:
+    with megatron_policy(path, layout, **{"megatron_cfg.activation_checkpointing": recompute}) as policy:
         assert_logprobs_match_hf(policy, path, make_batch(5, seed=4))
         assert_trained_logprobs_match(policy, path, make_batch(4, seed=5))
         merged = export_state(policy)

@@ -76,6 +76,10 @@ class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()  # [sq, sq], True above the diagonal
+
+
 def apply() -> None:
     """Patch torch.cuda / Megatron's RNG tracker for CPU; idempotent; a no-op with CUDA."""
     global _APPLIED
@@ -95,6 +99,11 @@ def apply() -> None:
     # CheckpointFunction (activation recomputation) saves and restores the CUDA RNG state
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # FusedScaleMaskSoftmax's causal mask (`get_default_causal_mask`, device="cuda"): the device mode does not
+    # reach the forward that activation recomputation re-runs inside the backward pass
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
 
 
 def allow_sequence_parallel_norm() -> None:
