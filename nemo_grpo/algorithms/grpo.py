@@ -8,6 +8,7 @@ sampling seeds, weights, optimizer and RNG state).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -52,10 +53,27 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------ rollouts
     def _rollout(self, datums, seed: int, greedy: bool = False) -> list[Sample]:
         c = self.cfg
-        return run_rollouts(datums, self.engine, self.tokenizer, self.task_to_env,
-                            max_new_tokens=c.policy.generation.max_new_tokens, max_turns=c.grpo.max_rollout_turns,
-                            max_seq_len=c.policy.max_total_sequence_length, seed=seed, greedy=greedy,
-                            timer=None if greedy else self.timer)
+        with self._generation_phase():
+            return run_rollouts(datums, self.engine, self.tokenizer, self.task_to_env,
+                                max_new_tokens=c.policy.generation.max_new_tokens,
+                                max_turns=c.grpo.max_rollout_turns, max_seq_len=c.policy.max_total_sequence_length,
+                                seed=seed, greedy=greedy, timer=None if greedy else self.timer)
+
+    @contextlib.contextmanager
+    def _generation_phase(self):
+        """Colocated generation shares the policy's devices: the policy moves off them (GPU: model and
+        optimizer to host memory) and the engine wakes up for the rollouts; after, the engine sleeps (GPU:
+        vLLM sleep level 1) and the policy comes back. No-ops on a CPU."""
+        colocated = self.cfg.policy.generation.colocated.enabled
+        if colocated:
+            self.policy.offload()
+            self.engine.prepare_for_generation()
+        try:
+            yield
+        finally:
+            if colocated:
+                self.engine.finish_generation()
+                self.policy.onload()
 
     def _score_groups(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Scaled rewards [N], advantages [N], group std [N] of contiguous groups."""
@@ -144,7 +162,9 @@ class GRPOTrainer:
 
     def refit(self) -> dict[str, float]:
         """Policy weights -> generation engine, in place, bucket by bucket (through Ray's object store when
-        colocated, else over a collective group): {"seconds", "bytes", "buckets"}."""
+        colocated, else over a collective group): {"seconds", "bytes", "buckets"}. A sleeping engine gets
+        its weights' memory back first."""
+        self.engine.prepare_for_refit()
         return self.refitter.refit()
 
     # ------------------------------------------------------------------------------------------ validation

@@ -34,6 +34,16 @@ class GenerationEngine(ABC):
 
     actor = None  # the Ray actor of a single-replica engine (set by the engines here)
 
+    # colocated memory hand-over (GRPOTrainer._generation_phase); no-ops unless an engine frees device memory
+    def prepare_for_generation(self) -> None:
+        """Before rollouts: take back the device memory given up in finish_generation (weights, KV cache)."""
+
+    def finish_generation(self) -> None:
+        """After rollouts: give device memory to the colocated policy (keep what a refit needs to restore)."""
+
+    def prepare_for_refit(self) -> None:
+        """Before a refit: take back the memory of the weights, so they can be loaded in place."""
+
     def workers(self) -> list:
         """The Ray actors holding the engine's model replicas (each a generation.refit.WeightReceiver): the
         receivers of a non-colocated refit."""

@@ -127,6 +127,7 @@ class VllmGenerationWorker(WeightReceiver):
         config = self.llm.llm_engine.model_config.hf_config
         self.known_names = checkpoint_weight_names(model_path, bool(getattr(config, "tie_word_embeddings", False)))
         self._refit_loaded: Optional[int] = None  # tensors loaded in the open refit; None when none is open
+        self._asleep: set[str] = set()  # (GPU) memory given up between rollouts: "weights", "kv_cache"
 
     @staticmethod
     def _build_llm(model_path: str, max_model_len: Optional[int], gpu_memory_utilization: float, seed: int,
@@ -144,7 +145,21 @@ class VllmGenerationWorker(WeightReceiver):
         return LLM(model=model_path, dtype="bfloat16" if cuda else "float32", enforce_eager=not cuda,
                    max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
                    gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                   distributed_executor_backend="mp" if tensor_parallel_size > 1 else None)
+                   distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
+                   enable_sleep_mode=cuda)  # (vLLM's sleep mode needs CUDA's allocator)
+
+    def sleep(self) -> None:
+        """GPU: level 1, weights to host memory, KV cache freed (no-op on a CPU, or when asleep)."""
+        if torch.cuda.is_available() and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """GPU: bring back those of `tags` ("weights", "kv_cache"; None = both) still asleep; else no-op."""
+        waking = self._asleep & set(tags or ("weights", "kv_cache"))
+        if waking:
+            self.llm.wake_up(tags=sorted(waking))
+            self._asleep -= waking
 
     def generate(self, prompts, cfg, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
         """One sample per prompt (token-id lists) -> list[GenerationOutput]; sampling settings from `cfg`."""
@@ -263,6 +278,21 @@ class VllmGeneration(GenerationEngine):
         import ray
 
         return ray.get(self.actor.generate.remote(prompts, self.cfg, greedy, seed, stop_strings, max_new_tokens))
+
+    def prepare_for_generation(self) -> None:
+        import ray
+
+        ray.get(self.actor.wake_up.remote())
+
+    def finish_generation(self) -> None:
+        import ray
+
+        ray.get(self.actor.sleep.remote())
+
+    def prepare_for_refit(self) -> None:
+        import ray
+
+        ray.get(self.actor.wake_up.remote(["weights"]))
 
     def update_weights(self, buckets: Iterator[dict[str, torch.Tensor]]) -> None:
         """Stream buckets into the live engine (at most BUCKETS_IN_FLIGHT ahead); any bucket boundary is fine."""
