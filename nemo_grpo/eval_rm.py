@@ -19,15 +19,13 @@ from typing import Optional
 
 def evaluate(env_cfg, pairs: list[dict], num_workers: int = 1) -> dict[str, tuple[float, int]]:
     """env.reward_model-style config + preference pairs -> {subset: (accuracy, pairs)}, plus "all"."""
-    from transformers import AutoTokenizer
-
+    from nemo_grpo.algorithms.reward_model import pair_accuracy
     from nemo_grpo.config import ClusterConfig
     from nemo_grpo.data.preferences import render_conversation, right_padded
-    from nemo_grpo.envs.reward_model_env import reward_model_policy_config
+    from nemo_grpo.envs.reward_model_env import reward_model_policy_config, reward_model_tokenizer
     from nemo_grpo.policy import Policy
 
-    tokenizer = AutoTokenizer.from_pretrained(env_cfg.tokenizer.name or env_cfg.model_name)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    tokenizer, pad = reward_model_tokenizer(env_cfg)
     rows = [render_conversation(tokenizer, p[side], env_cfg.max_model_len)[0] for p in pairs
             for side in ("chosen", "rejected")]
     cluster = ClusterConfig(gpus_per_node=num_workers, num_nodes=1)
@@ -35,7 +33,7 @@ def evaluate(env_cfg, pairs: list[dict], num_workers: int = 1) -> dict[str, tupl
                 name="reward_model") as policy:
         scores = policy.score(right_padded(rows, pad))  # [2P]: chosen, rejected, ...
     right: dict[str, list[float]] = defaultdict(list)
-    for pair, won in zip(pairs, (scores[0::2] > scores[1::2]).tolist()):
+    for pair, won in zip(pairs, pair_accuracy(scores).tolist()):
         right[pair["subset"]].append(float(won))
         right["all"].append(float(won))
     return {subset: (sum(v) / len(v), len(v)) for subset, v in sorted(right.items())}

@@ -105,6 +105,7 @@ class RewardModelTrainer:
     def __init__(self, cfg: RMTrainConfig):
         from transformers import AutoTokenizer
 
+        from nemo_grpo.data.preferences import pad_id_of
         from nemo_grpo.distributed.cluster import init_ray
         from nemo_grpo.policy import Policy
         from nemo_grpo.utils.checkpoint import CheckpointManager
@@ -115,7 +116,7 @@ class RewardModelTrainer:
         self.cfg = cfg
         path = prepare_model(resolve_model_path(cfg.policy.model_name), cfg.rm.output_dir, cfg.rm.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.pad_id = pad_id_of(self.tokenizer)
         self.train_pairs = self._tokenized(cfg.data.train_data_path, seed=0)
         self.val_pairs = self._tokenized(cfg.data.val_data_path, seed=1) if cfg.data.val_data_path else []
         self.pairs_per_step = cfg.policy.train_global_batch_size // 2

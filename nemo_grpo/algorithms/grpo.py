@@ -52,12 +52,12 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------ rollouts
     def _rollout(self, datums, seed: int, greedy: bool = False) -> list[Sample]:
+        """Callers run it inside `_generation_phase` (once around all the rollouts of a step or a validation)."""
         c = self.cfg
-        with self._generation_phase():
-            return run_rollouts(datums, self.engine, self.tokenizer, self.task_to_env,
-                                max_new_tokens=c.policy.generation.max_new_tokens,
-                                max_turns=c.grpo.max_rollout_turns, max_seq_len=c.policy.max_total_sequence_length,
-                                seed=seed, greedy=greedy, timer=None if greedy else self.timer)
+        return run_rollouts(datums, self.engine, self.tokenizer, self.task_to_env,
+                            max_new_tokens=c.policy.generation.max_new_tokens, max_turns=c.grpo.max_rollout_turns,
+                            max_seq_len=c.policy.max_total_sequence_length, seed=seed, greedy=greedy,
+                            timer=None if greedy else self.timer)
 
     @contextlib.contextmanager
     def _generation_phase(self):
@@ -130,7 +130,8 @@ class GRPOTrainer:
         cfg, step = self.cfg, self.state.step + 1
         self.timer.reset()
         with self.timer.time("total"):
-            samples, rewards, adv, stats = self._collect(step)
+            with self._generation_phase():  # every generation batch of the step: one hand-over
+                samples, rewards, adv, stats = self._collect(step)
             batch = self._train_batch(samples, adv)
             data = {k: v for k, v in batch.items() if k in TRAIN_KEYS}
             with self.timer.time("logprobs"):
@@ -173,10 +174,11 @@ class GRPOTrainer:
         g = self.cfg.grpo
         datums = self.val_datums[: g.max_val_samples]
         rewards, lengths = [], []
-        for start in range(0, len(datums), g.val_batch_size):
-            samples = self._rollout(datums[start : start + g.val_batch_size], seed=g.seed, greedy=True)
-            rewards += [s.reward for s in samples]
-            lengths += [s.response_length for s in samples]
+        with self._generation_phase():
+            for start in range(0, len(datums), g.val_batch_size):
+                samples = self._rollout(datums[start : start + g.val_batch_size], seed=g.seed, greedy=True)
+                rewards += [s.reward for s in samples]
+                lengths += [s.response_length for s in samples]
         metrics = {"accuracy": sum(rewards) / len(rewards), "mean_response_length": sum(lengths) / len(lengths),
                    "num_samples": float(len(rewards))}
         self.state.val_metrics = metrics

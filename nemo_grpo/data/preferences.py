@@ -68,6 +68,11 @@ def render_conversation(tokenizer, messages: Messages, max_len: int) -> tuple[li
     return (ids[-max_len:], True) if len(ids) > max_len else (ids, False)
 
 
+def pad_id_of(tokenizer) -> int:
+    """The tokenizer's pad id (0 when it has none): what right_padded fills with."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
 def right_padded(sequences: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     """Token lists -> {"input_ids" [B, T] right-padded, "input_lengths" [B]}."""
     width = max(len(s) for s in sequences)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from nemo_grpo.data.preferences import pad_id_of
 from nemo_grpo.envs.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
 
 log = logging.getLogger(__name__)
@@ -32,14 +33,22 @@ def reward_model_policy_config(cfg):
                         dtensor_cfg=cfg.dtensor_cfg, megatron_cfg=cfg.megatron_cfg)
 
 
+def reward_model_tokenizer(cfg):
+    """env.reward_model -> (its tokenizer, with tokenizer.chat_template applied when set; its pad id, else 0)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer.name or cfg.model_name)
+    if cfg.tokenizer.chat_template is not None:
+        tokenizer.chat_template = cfg.tokenizer.chat_template
+    return tokenizer, pad_id_of(tokenizer)
+
+
 class RewardModelEnvironment(EnvironmentInterface):
     """Scores whole conversations with a reward model; started as a Ray actor by `create_env`."""
 
     def __init__(self, cfg, placement=None, placement_group=None):
         """cfg: env.reward_model; placement / placement_group: the reward model's share of the resource plan
         (resource_plan.Placement and its reserved group); without them, env.reward_model.resources."""
-        from transformers import AutoTokenizer
-
         from nemo_grpo.config import ClusterConfig
         from nemo_grpo.policy import Policy
 
@@ -47,10 +56,7 @@ class RewardModelEnvironment(EnvironmentInterface):
             raise ValueError(f"env.reward_model.reward_model_cfg.reward_model_type="
                              f"'{cfg.reward_model_cfg.reward_model_type}' is not supported; known: bradley_terry")
         self.cfg = cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer.name or cfg.model_name)
-        if cfg.tokenizer.chat_template is not None:
-            self.tokenizer.chat_template = cfg.tokenizer.chat_template
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.tokenizer, self.pad_id = reward_model_tokenizer(cfg)
         r = cfg.resources
         cluster = placement.as_cluster() if placement is not None else \
             ClusterConfig(gpus_per_node=r.gpus_per_node or 1, num_nodes=r.num_nodes or 1)

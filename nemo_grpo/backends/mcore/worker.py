@@ -311,10 +311,10 @@ class MegatronPolicyWorker(PolicyWorker):
     @property
     def _optimizer_state(self) -> dict:
         """param -> its optimizer state on this rank (sharded: only the parameters this DP rank steps)."""
-        return getattr(self.optimizer, "optim", self.optimizer).state
+        return self._local_optimizer.state
 
     def _owned(self, p: torch.nn.Parameter) -> bool:
-        local = getattr(self.optimizer, "optim", self.optimizer)
+        local = self._local_optimizer
         return any(p is q for group in local.param_groups for q in group["params"])
 
     def _optimizer_moments(self) -> tuple[list[str], dict[str, Any]]:
@@ -334,7 +334,7 @@ class MegatronPolicyWorker(PolicyWorker):
         state = self._optimizer_state
         local = {n: state[p][key] if p in state and key in state[p] else torch.zeros_like(p)
                  for n, p in self.main.items()}
-        if self.optimizer is not getattr(self.optimizer, "optim", self.optimizer):
+        if self._local_optimizer is not self.optimizer:  # sharded: each DP rank holds a share
             _all_reduce_flat(list(local.values()), ps.get_data_parallel_group())
         return local
 
