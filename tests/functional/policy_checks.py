@@ -97,6 +97,16 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def assert_logprobs_match_hf(policy: Policy, path: str, batch: dict) -> torch.Tensor:
+    """The policy's log-probs [B, T] equal the single-process HF model's within 1e-5; returns them."""
+    with torch.no_grad():
+        ref = hf_logprobs(load_hf(path).eval(), batch)
+    lp = policy.get_logprobs(batch)
+    assert lp.shape == ref.shape
+    assert (lp - ref).abs().max().item() <= 1e-5
+    return lp
+
+
 def policy_config(path: str, backend: str = "dtensor", **overrides) -> PolicyConfig:
     """A small-batch, large-lr config (clipping active) with dotted overrides, e.g. {"dtensor_cfg.x": 2}."""
     cfg = PolicyConfig(model_name=path, backend=backend, train_global_batch_size=4, train_micro_batch_size=1,

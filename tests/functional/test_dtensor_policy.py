@@ -11,8 +11,8 @@ import os
 
 import pytest
 import torch
-from policy_checks import (CLUSTER, TokenPGLoss, check_bf16_step, check_train_parity, export_state, hf_logprobs,
-                           load_hf, make_batch, max_diff, policy_config)
+from policy_checks import (CLUSTER, TokenPGLoss, assert_logprobs_match_hf, check_bf16_step, check_train_parity,
+                           export_state, hf_logprobs, load_hf, make_batch, max_diff, policy_config)
 from transformers import AutoModelForSequenceClassification
 
 from nemo_grpo.policy import Policy
@@ -33,11 +33,7 @@ class TestFSDP:
     def test_logprobs_match_hf(self, fsdp_qwen3):
         policy, path = fsdp_qwen3
         batch = make_batch(5, seed=0)  # 5 rows over 2 ranks in chunks of 2: uneven split, several chunks
-        with torch.no_grad():
-            ref = hf_logprobs(load_hf(path).eval(), batch)
-        lp = policy.get_logprobs(batch)
-        assert lp.shape == ref.shape
-        assert (lp - ref).abs().max().item() <= 1e-5
+        lp = assert_logprobs_match_hf(policy, path, batch)
         assert (lp[:, 0] == 0).all() and (lp[1, 3:] == 0).all()
 
     def test_export_weights_buckets(self, fsdp_qwen3):
@@ -116,11 +112,7 @@ class TestTensorParallel:
     one micro-batch per step."""
 
     def test_logprobs_match_hf(self, tp_qwen3):
-        policy, path = tp_qwen3
-        batch = make_batch(7, seed=5)
-        with torch.no_grad():
-            ref = hf_logprobs(load_hf(path).eval(), batch)
-        assert (policy.get_logprobs(batch) - ref).abs().max().item() <= 1e-5
+        assert_logprobs_match_hf(*tp_qwen3, make_batch(7, seed=5))
 
     def test_train_matches_single_process(self, tp_qwen3, tmp_path):
         policy, path = tp_qwen3
@@ -141,11 +133,8 @@ class TestTensorParallel:
 @pytest.mark.parametrize("arch,tp", [("qwen2", 1), ("qwen2", 2), ("llama", 2)])
 def test_logprobs_match_hf_other_archs(ray_cluster, tiny_model_dir, arch, tp):
     path = tiny_model_dir(arch)
-    batch = make_batch(5, seed=7)
-    with torch.no_grad():
-        ref = hf_logprobs(load_hf(path).eval(), batch)
     with Policy(policy_config(path, **{"dtensor_cfg.tensor_parallel_size": tp}), CLUSTER, path) as policy:
-        assert (policy.get_logprobs(batch) - ref).abs().max().item() <= 1e-5
+        assert_logprobs_match_hf(policy, path, make_batch(5, seed=7))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

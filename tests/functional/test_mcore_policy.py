@@ -9,8 +9,8 @@ import os
 
 import pytest
 import torch
-from policy_checks import (CLUSTER, TokenPGLoss, check_bf16_step, check_train_parity, export_state, hf_logprobs,
-                           load_hf, make_batch, max_diff, policy_config, reference_train)
+from policy_checks import (CLUSTER, TokenPGLoss, assert_logprobs_match_hf, check_bf16_step, check_train_parity,
+                           export_state, hf_logprobs, load_hf, make_batch, max_diff, policy_config, reference_train)
 from transformers import AutoModelForSequenceClassification
 
 from nemo_grpo.config import ClusterConfig
@@ -29,14 +29,6 @@ def megatron_policy(path: str, layout: str, **kwargs) -> Policy:
     cluster, overrides = LAYOUTS[layout]
     extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("scalar_head", "init_reference")}
     return Policy(policy_config(path, backend="megatron", **overrides, **extra), cluster, path, **kwargs)
-
-
-def assert_logprobs_match_hf(policy: Policy, path: str, batch: dict) -> None:
-    with torch.no_grad():
-        ref = hf_logprobs(load_hf(path).eval(), batch)
-    lp = policy.get_logprobs(batch)
-    assert lp.shape == ref.shape
-    assert (lp - ref).abs().max().item() <= 1e-5
 
 
 def assert_trained_logprobs_match(policy: Policy, path: str, batch: dict) -> None:
