@@ -242,6 +242,7 @@ class ClusterConfig:
     gpus_per_node: int = 2  # on a CPU-only machine: worker processes standing in for devices
     num_nodes: int = 1
     num_threads_per_worker: int = 1  # torch threads in each actor (pinned: busy processes collide otherwise)
+    gpu_memory_gib: float = 79.6  # per device, for `python -m nemo_grpo.plan` (an 80 GB H100 / A100 has 79.6)
 
 
 @dataclass
@@ -375,17 +376,18 @@ def world_size(cfg: MasterConfig) -> int:
     return plan_resources(cfg).placements["policy"].world_size
 
 
-def validate(cfg: MasterConfig) -> None:
-    """Cross-field checks; raises ConfigError naming the key. Runs before anything is built."""
-    _validate_policy(cfg)
+def validate(cfg: MasterConfig, files: bool = True) -> None:
+    """Cross-field checks; raises ConfigError naming the key. Runs before anything is built.
+    files=False skips checking that model directories and prompt files exist (planning before a download)."""
+    _validate_policy(cfg, files)
     _validate_parallel(cfg)
     _validate_batches(cfg)
     _validate_loss(cfg.loss_fn)
     _validate_grpo(cfg)
-    _validate_data_env(cfg)
+    _validate_data_env(cfg, files)
 
 
-def _validate_policy(cfg: MasterConfig) -> None:
+def _validate_policy(cfg: MasterConfig, files: bool) -> None:
     from nemo_grpo.backends import BACKENDS
 
     p = cfg.policy
@@ -394,7 +396,7 @@ def _validate_policy(cfg: MasterConfig) -> None:
     _choice(p.optimizer.name, "policy.optimizer.name", ["adamw", "sgd"])
     _need(p.optimizer.lr > 0, "policy.optimizer.lr", f"must be > 0, got {p.optimizer.lr}")
     _need(p.max_grad_norm is None or p.max_grad_norm > 0, "policy.max_grad_norm", "must be > 0 or null")
-    if not p.model_name.startswith(BUILTIN_MODEL_PREFIX):
+    if files and not p.model_name.startswith(BUILTIN_MODEL_PREFIX):
         _need(os.path.isdir(p.model_name), "policy.model_name",
               f"'{p.model_name}' is not a local directory (a Hugging Face model directory or builtin:tiny-addition)")
     g = p.generation
@@ -423,6 +425,7 @@ def _validate_parallel(cfg: MasterConfig) -> None:
     _need(c.gpus_per_node > 0, "cluster.gpus_per_node", "must be > 0")
     _need(c.num_nodes > 0, "cluster.num_nodes", "must be > 0")
     _need(c.num_threads_per_worker > 0, "cluster.num_threads_per_worker", "must be > 0")
+    _need(c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", f"must be > 0, got {c.gpu_memory_gib}")
     world = world_size(cfg)
     where = f"world size {world} (the policy's devices of cluster.gpus_per_node {c.gpus_per_node} x " \
             f"cluster.num_nodes {c.num_nodes})"
@@ -510,7 +513,7 @@ def _validate_grpo(cfg: MasterConfig) -> None:
     _need(ck.keep_top_k is None or ck.keep_top_k > 0, "checkpointing.keep_top_k", "must be > 0 or null")
 
 
-def _validate_data_env(cfg: MasterConfig) -> None:
+def _validate_data_env(cfg: MasterConfig, files: bool) -> None:
     from nemo_grpo.envs import ENVIRONMENTS
 
     d = cfg.data
@@ -524,11 +527,12 @@ def _validate_data_env(cfg: MasterConfig) -> None:
               f"data.{split}.env_name is '{ds.env_name}' but env.{ds.env_name} is null")
         for key in ("prompt_file", "system_prompt_file"):
             path = getattr(ds, key)
-            _need(path is None or os.path.isfile(path), f"data.{split}.{key}", f"file not found: {path}")
+            _need(path is None or not files or os.path.isfile(path), f"data.{split}.{key}", f"file not found: {path}")
     if cfg.env.reward_model is not None and cfg.env.reward_model.enabled:
         from nemo_grpo.distributed.resource_plan import plan_resources
 
-        _validate_reward_model(cfg.env.reward_model, plan_resources(cfg).placements["reward_model"].world_size)
+        _validate_reward_model(cfg.env.reward_model, plan_resources(cfg).placements["reward_model"].world_size,
+                               files)
     if cfg.env.code is not None:
         c = cfg.env.code
         _need(c.num_workers > 0, "env.code.num_workers", "must be > 0")
@@ -540,12 +544,12 @@ def _validate_data_env(cfg: MasterConfig) -> None:
         _need(cfg.env.math.timeout_s > 0, "env.math.timeout_s", "must be > 0")
 
 
-def _validate_reward_model(r: RewardModelEnvConfig, world: int) -> None:
+def _validate_reward_model(r: RewardModelEnvConfig, world: int, files: bool = True) -> None:
     """env.reward_model on its `world` devices of the resource plan."""
     from nemo_grpo.backends import BACKENDS
 
     key = "env.reward_model."
-    _need(os.path.isdir(r.model_name), key + "model_name",
+    _need(not files or os.path.isdir(r.model_name), key + "model_name",
           f"'{r.model_name}' is not a local directory (a Hugging Face *ForSequenceClassification model)")
     _choice(r.backend, key + "backend", sorted(BACKENDS))
     _choice(r.precision, key + "precision", ["float32", "bfloat16"])

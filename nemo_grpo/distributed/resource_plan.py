@@ -82,11 +82,11 @@ class ResourcePlan:
                 continue
             p = self.placements[role]
             note = " (colocated with generation)" if role == "policy" and self.colocated_generation else ""
-            lines.append(f"{role}: nodes {_node_list(p.nodes)} x {p.gpus_per_node} GPUs = {p.world_size}{note}")
+            lines.append(f"{role}: nodes {node_list(p.nodes)} x {p.gpus_per_node} GPUs = {p.world_size}{note}")
         return "\n".join(lines)
 
 
-def _node_list(nodes: tuple[int, ...]) -> str:
+def node_list(nodes: tuple[int, ...]) -> str:
     if len(nodes) > 1 and list(nodes) == list(range(nodes[0], nodes[-1] + 1)):
         return f"{nodes[0]}-{nodes[-1]}"
     return ",".join(map(str, nodes))

@@ -57,11 +57,16 @@ def expected_reward(model, tokenizer, problems=None) -> float:
     return total / len(problems)
 
 
+def builtin_config():
+    """The HF config of every built-in model (they differ in their weights only)."""
+    return tiny_config("qwen2", vocab_size=len(make_tokenizer()))
+
+
 def warm_start(seed: int = 0, target: float = WARM_TARGET, max_steps: int = 2000, problems=None):
     """Tiny Qwen2 trained with cross-entropy on the answers (solutions) until expected_reward >= target."""
     tokenizer = make_tokenizer()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=len(tokenizer))).float()
+    model = AutoModelForCausalLM.from_config(builtin_config()).float()
     problems = problems or addition_problems()
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)

@@ -54,17 +54,18 @@ class Entry:
     kind: str
 
 
-def _rope_theta(cfg) -> float:
+def _rope_theta(cfg, strict: bool = True) -> float:
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in (None, "default"):
+    if strict and kind not in (None, "default"):
         raise ValueError(f"megatron back end: rope_type '{kind}' is not supported (only default RoPE)")
     return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 
 
 def model_spec(cfg, tp: int = 1, pp: int = 1, scalar_head: bool = False,
-               transformer_engine: bool = False) -> ModelSpec:
-    """HF config -> ModelSpec; raises ValueError naming an unknown architecture or a size tp/pp cannot split."""
+               transformer_engine: bool = False, any_rope: bool = False) -> ModelSpec:
+    """HF config -> ModelSpec; raises ValueError naming an unknown architecture or a size tp/pp cannot split.
+    any_rope: accept RoPE scalings the Megatron back end cannot build (for sizing a model only)."""
     arch = (getattr(cfg, "architectures", None) or ["?"])[0]
     family = CAUSAL_LM.get(arch) or SEQ_CLS.get(arch) or {"llama": "llama", "qwen2": "qwen2",
                                                            "qwen3": "qwen3"}.get(getattr(cfg, "model_type", ""))
@@ -90,7 +91,7 @@ def model_spec(cfg, tp: int = 1, pp: int = 1, scalar_head: bool = False,
         heads=heads, kv_heads=kv, head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         vocab=cfg.vocab_size, padded_vocab=-(-cfg.vocab_size // tp) * tp, qkv_bias=family == "qwen2",
         qk_norm=family == "qwen3", tied=bool(getattr(cfg, "tie_word_embeddings", False)) and not scalar_head,
-        scalar_head=scalar_head, rope_theta=_rope_theta(cfg), eps=cfg.rms_norm_eps,
+        scalar_head=scalar_head, rope_theta=_rope_theta(cfg, strict=not any_rope), eps=cfg.rms_norm_eps,
         max_positions=cfg.max_position_embeddings, transformer_engine=transformer_engine)
 
 

@@ -1,0 +1,58 @@
+"""Bytes of activations per token: what autograd saves for the backward of one decoder layer, and the logits.
+
+The per-layer formulas were read off `torch.autograd.graph.saved_tensors_hooks` on the implementations the
+back ends run (tests/unit/test_planner.py re-measures them on small models and asserts they match):
+  hf        Hugging Face decoder layer, SDPA attention (the DTensor back end: no [s, s] scores kept)
+  hf_eager  Hugging Face decoder layer, eager attention (scores and probabilities kept, K/V repeated per head)
+  megatron  Megatron-Core local layer spec (unfused attention: scores kept, K/V repeated per head; its
+            RMSNorms keep fp32 copies; rotary tables and the causal mask per layer)
+  megatron_te  Transformer Engine layer spec (flash attention; not measurable here: `megatron` without the
+            [s, s] terms, plus the softmax log-sum-exp)
+Notation: h hidden, f ffn, q = heads x head_dim, kv = kv_heads x head_dim, a heads, s sequence length,
+B bytes of the compute dtype. Tensor-parallel ranks keep 1/tp of the head / ffn terms; the hidden-size terms
+are replicated, or split along the sequence with Megatron's sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from nemo_grpo.backends.mcore.weights import ModelSpec
+
+IMPLEMENTATIONS = ("hf", "hf_eager", "megatron", "megatron_te")
+
+
+def layer_bytes_per_token(spec: ModelSpec, impl: str, dtype_bytes: int, seq_len: int, tp: int = 1,
+                          sequence_parallel: bool = False, seqs_per_micro_batch: int = 1) -> float:
+    """Bytes one decoder layer keeps for its backward, per token of a micro-batch of `seqs_per_micro_batch`
+    sequences of `seq_len` tokens, on one tensor-parallel rank."""
+    h, f, a, s, b = spec.hidden, spec.ffn, spec.heads, seq_len, dtype_bytes
+    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    lowp = b == 2  # bf16: fp32 copies kept by the norms and the softmax
+    if impl in ("hf", "hf_eager"):
+        hidden = b * 6 * h + (4 * h if lowp else 0) + 8  # 2 x (norm input, normed, linear input); rsqrt
+        if impl == "hf":
+            split = b * (4 * f + 2 * q + 2 * kv) + 4 * a  # gate, up, act, down input; q, k, v, out; lse
+        else:
+            split = b * (4 * f + 4 * q) + a * s * (6 if lowp else 4)  # k, v repeated; fp32 (+bf16) probs
+        return hidden + split / tp
+    if impl in ("megatron", "megatron_te"):
+        hidden = 16 * h + 8 + 2 * b * h  # 2 x fp32 (norm input, normed) + rsqrt; qkv and fc1 inputs
+        if impl == "megatron":
+            split = b * (4 * q + 5 * f) + a * s * (6 if lowp else 4)  # proj in, q, k, v; fc1 out x2, ...
+            per_layer = 4 * spec.head_dim * b * s + s * s  # rotary tables (x4) and the bool causal mask
+        else:
+            split = b * (4 * q + 5 * f) + 4 * a
+            per_layer = 4 * spec.head_dim * b * s
+        tokens = seqs_per_micro_batch * s
+        return hidden / (tp if sequence_parallel else 1) + split / tp + per_layer / tokens
+    raise ValueError(f"activation implementation '{impl}' is unknown; known: {', '.join(IMPLEMENTATIONS)}")
+
+
+def layer_input_bytes_per_token(spec: ModelSpec, dtype_bytes: int, tp: int = 1,
+                                sequence_parallel: bool = False) -> float:
+    """With full recomputation a layer keeps only its input hidden state: [s, h] per sequence."""
+    return dtype_bytes * spec.hidden / (tp if sequence_parallel else 1)
+
+
+def logits_bytes_per_token(vocab_on_rank: int, dtype_bytes: int) -> float:
+    """Logits [.., V] in the compute dtype, their fp32 copy for the log-softmax and its fp32 gradient."""
+    return vocab_on_rank * (dtype_bytes + 4 + 4)

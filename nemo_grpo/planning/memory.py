@@ -1,0 +1,340 @@
+"""Per-GPU memory of every role of a recipe on its cluster, phase by phase; layouts that do not fit are rejected
+with the numbers. Arithmetic on the config and the models' HF configs (planning/params.py): no GPU, no weights.
+
+What each back end keeps, read off nemo_grpo/backends/:
+  megatron   per pipeline stage: parameters in the precision; in bf16 fp32 master copies (made also for a
+             scoring-only reward model); fp32 gradients of the main parameters; optimizer state (Adam: two fp32
+             moments), / dp with use_distributed_optimizer (ZeRO-1); 1F1B keeps min(pp - stage, micro-batches)
+             micro-batches of activations on a stage.
+  dtensor    FSDP2: fp32 parameters, gradients and optimizer state sharded over dp (linear weights split over
+             tp first); the largest unit all-gathered in the compute dtype, x2 (the next one is prefetched); the
+             full fp32 model sits on every GPU while loading, before it is sharded.
+  reference  a host-memory copy of each rank's shards swapped into the live parameters for its forward: no
+             GPU memory.
+  vLLM       gpu_memory_utilization of each device for its weights (bf16, / its tp) and KV cache. Colocated, the
+             policy moves to host memory while vLLM generates and vLLM sleeps (level 1) while the policy trains:
+             the two phases are checked apart.
+Activations assume every sequence at policy.max_total_sequence_length (planning/activations.py). Every GPU also
+keeps RUNTIME_RESERVE_GIB for the CUDA context, NCCL buffers and allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nemo_grpo.distributed.resource_plan import node_list
+from nemo_grpo.planning import activations as act
+from nemo_grpo.planning.params import (dtensor_rank_params, largest_fsdp_unit, megatron_stage_params,
+                                       total_params)
+
+GIB = float(1 << 30)
+RUNTIME_RESERVE_GIB = 3.0
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}  # fp32 tensors per parameter
+RESERVE = "runtime reserve"
+
+
+@dataclass
+class Device:
+    """One kind of GPU of a role (every rank alike, or one pipeline stage): bytes by component, per phase."""
+    label: str
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def total(self, phase: str) -> float:
+        return sum(self.phases[phase].values())
+
+    def peak(self) -> tuple[str, float]:
+        """(phase, bytes) of the phase that needs the most."""
+        return max(((p, self.total(p)) for p in self.phases), key=lambda x: x[1])
+
+
+@dataclass
+class RolePlan:
+    """One role's devices, e.g. the policy: megatron TP 8 x PP 2 x DP 3 on nodes 0-5."""
+    role: str
+    layout: str
+    devices: list[Device]
+    gpus_per_node: int
+    host_per_gpu: dict[str, float] = field(default_factory=dict)  # host memory a GPU's process keeps
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # besides devices over the budget (e.g. no KV cache)
+
+
+@dataclass
+class MemoryPlan:
+    gpu_bytes: float
+    roles: list[RolePlan]
+
+    def problems(self) -> list[str]:
+        out = []
+        for role in self.roles:
+            for d in role.devices:
+                phase, need = d.peak()
+                if need > self.gpu_bytes:
+                    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in d.phases[phase].items() if v)
+                    out.append(f"{role.role} ({role.layout}), {d.label}: {phase} needs {need / GIB:.1f} GiB per "
+                               f"GPU > cluster.gpu_memory_gib {self.gpu_bytes / GIB:g} ({parts})")
+            out += [f"{role.role}: {p}" for p in role.problems]
+        return out
+
+    def table(self) -> str:
+        return "\n\n".join(_role_table(r, self.gpu_bytes) for r in self.roles)
+
+
+def _role_table(r: RolePlan, gpu_bytes: float) -> str:
+    """Rows: components (their largest value over phases), then each phase's total, then the peak; a column
+    per kind of device; GiB."""
+    width = max(34, *(len(k) + 2 for d in r.devices for ph in d.phases.values() for k in ph))
+    head = f"{r.role}: {r.layout}"
+    lines = [head, f"{'GiB per GPU':<{width}}" + "".join(f"{d.label:>14}" for d in r.devices)]
+    rows: list[str] = []
+    for d in r.devices:
+        for ph in d.phases.values():
+            rows += [k for k in ph if k not in rows and k != RESERVE]
+    for k in rows + [RESERVE]:
+        vals = [max((ph.get(k, 0.0) for ph in d.phases.values()), default=0.0) for d in r.devices]
+        lines.append(f"  {k:<{width - 2}}" + "".join(f"{v / GIB:>14.2f}" if v else f"{'-':>14}" for v in vals))
+    for phase in r.devices[0].phases:
+        lines.append(f"  = {phase:<{width - 4}}" + "".join(f"{d.total(phase) / GIB:>14.2f}" for d in r.devices))
+    verdicts = []
+    for d in r.devices:
+        need = d.peak()[1]
+        verdicts.append(f"{need / GIB:.1f} {'ok' if need <= gpu_bytes else 'OVER'}")
+    lines.append(f"{'peak of ' + format(gpu_bytes / GIB, 'g') + ' GiB':<{width}}" + "".join(f"{v:>14}" for v in verdicts))
+    host = sum(r.host_per_gpu.values()) * r.gpus_per_node
+    if host:
+        parts = ", ".join(f"{k} {v * r.gpus_per_node / GIB:.0f}" for k, v in r.host_per_gpu.items())
+        lines.append(f"host memory per node: {host / GIB:.0f} GiB ({parts})")
+    return "\n".join(lines + [f"note: {n}" for n in r.notes])
+
+
+# ---------------------------------------------------------------------------------------------- policies
+@dataclass
+class Workload:
+    """What one data-parallel rank of a policy processes (tokens are padded to `seq_len`)."""
+    seq_len: int
+    train_micro_batch: int  # sequences per forward/backward
+    micro_batches: int  # per optimizer step on one data-parallel rank
+    forward_batch: int  # sequences per log-prob / scoring forward
+    training: bool
+    reference: bool  # a host copy of the initial weights
+    offload: bool = False  # moved to host memory while a colocated vLLM generates (CUDA)
+
+
+def _optimizer_row(p, n: int, shards: int) -> tuple[str, float]:
+    k = OPTIMIZER_STATES[p.optimizer.name]
+    where = f" / dp {shards}" if shards > 1 else ""
+    return f"optimizer state ({p.optimizer.name}: {k} x fp32{where})", n * 4.0 * k / shards
+
+
+def _activation_row(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, layers: int, in_flight: int,
+                    recompute: bool) -> tuple[str, float]:
+    tokens = w.train_micro_batch * w.seq_len
+    one_layer = act.layer_bytes_per_token(spec, impl, b, w.seq_len, tp, sp, w.train_micro_batch) * tokens
+    if recompute:
+        kept = act.layer_input_bytes_per_token(spec, b, tp, sp) * tokens * layers * in_flight + one_layer
+    else:
+        kept = one_layer * layers * in_flight
+    return f"activations ({w.train_micro_batch} x {w.seq_len} tok{', recompute' if recompute else ''})", kept
+
+
+def _forward_rows(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, vocab_on_rank: int) -> dict:
+    """One forward without gradients: a layer's intermediates and the logits of a forward batch."""
+    tokens = w.forward_batch * w.seq_len
+    rows = {f"forward working set ({w.forward_batch} x {w.seq_len} tok)":
+            act.layer_bytes_per_token(spec, impl, b, w.seq_len, tp, sp, w.forward_batch) * tokens}
+    if vocab_on_rank:
+        rows["forward logits"] = tokens * vocab_on_rank * (b + 4)
+    return rows
+
+
+def megatron_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], dict[str, float]]:
+    """A Device per pipeline stage, and the host memory of one rank (of the stage with the most parameters)."""
+    m = p.megatron_cfg
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    dp, b = world // (tp * pp), DTYPE_BYTES[p.precision]
+    impl = "megatron_te" if m.layer_spec == "transformer_engine" else "megatron"
+    sp = bool(m.sequence_parallel and tp > 1)
+    devices, host = [], {}
+    for stage in range(pp):
+        n = megatron_stage_params(spec, tp, pp, stage)
+        last = stage == pp - 1
+        vocab = spec.padded_vocab // tp if last and not spec.scalar_head else 0
+        state = {f"parameters ({p.precision})": n * b}
+        if b == 2:
+            state["fp32 master weights"] = n * 4.0
+        phases = {}
+        if w.training:
+            train = dict(state, **{"gradients (fp32)": n * 4.0})
+            train.update([_optimizer_row(p, n, dp if m.use_distributed_optimizer else 1),
+                          _activation_row(spec, impl, b, w, tp, sp, spec.num_layers // pp,
+                                          min(pp - stage, w.micro_batches), m.activation_checkpointing)])
+            if vocab:
+                train["logits"] = w.train_micro_batch * w.seq_len * act.logits_bytes_per_token(vocab, b)
+            phases["training"] = train
+        phases["log-prob forward" if w.training else "scoring"] = dict(
+            state, **_forward_rows(spec, impl, b, w, tp, sp, vocab))
+        devices.append(Device(f"stage {stage}" if pp > 1 else "every rank", phases))
+        host = max(host, _host_rows(state, n, p, w, dp if m.use_distributed_optimizer else 1),
+                   key=lambda h: sum(h.values()))
+    return devices, host
+
+
+def dtensor_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], dict[str, float]]:
+    """One Device (every rank holds the same share), and the host memory of one rank."""
+    tp = p.dtensor_cfg.tensor_parallel_size
+    dp, b = world // tp, DTYPE_BYTES[p.precision]
+    n = dtensor_rank_params(spec, tp, dp)
+    vocab = 0 if spec.scalar_head else spec.vocab  # full-vocabulary logits on every rank
+    state = {"parameters (fp32, FSDP shards)": n * 4.0,
+             f"gathered units ({p.precision}, x2)": largest_fsdp_unit(spec, tp) * b * 2.0}
+    phases = {"loading (full fp32 model)": {"full fp32 model before sharding": total_params(spec) * 4.0}}
+    if w.training:
+        train = dict(state, **{"gradients (fp32, FSDP shards)": n * 4.0})
+        train.update([_optimizer_row(p, n, 1),
+                      _activation_row(spec, "hf", b, w, tp, False, spec.num_layers, 1,
+                                      p.dtensor_cfg.activation_checkpointing)])
+        if vocab:
+            train["logits"] = w.train_micro_batch * w.seq_len * act.logits_bytes_per_token(vocab, b)
+        phases["training"] = train
+    phases["log-prob forward" if w.training else "scoring"] = dict(
+        state, **_forward_rows(spec, "hf", b, w, tp, False, vocab))
+    return [Device("every rank", phases)], _host_rows({"parameters (fp32, FSDP shards)": n * 4.0}, n, p, w, 1)
+
+
+def _host_rows(state: dict, n: int, p, w: Workload, opt_shards: int) -> dict[str, float]:
+    """Host memory of one rank: the reference copy; while a colocated engine generates, the offloaded state."""
+    rows = {}
+    weights = next(iter(state.values()))
+    if w.reference:
+        rows["reference copy"] = weights
+    if w.offload:
+        rows["offloaded while vLLM generates"] = sum(state.values()) + _optimizer_row(p, n, opt_shards)[1]
+    return rows
+
+
+DEVICE_PLANNERS = {"megatron": megatron_devices, "dtensor": dtensor_devices}
+
+
+def _with_reserve(devices: list[Device]) -> list[Device]:
+    for d in devices:
+        for phase in d.phases.values():
+            phase[RESERVE] = RUNTIME_RESERVE_GIB * GIB
+    return devices
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+def plan_memory(cfg, plan=None) -> MemoryPlan:
+    """The per-GPU memory of cfg's roles on cfg.cluster (plan: its resource plan, made here when None)."""
+    from nemo_grpo.distributed.resource_plan import plan_resources
+
+    plan = plan or plan_resources(cfg)
+    gpu = cfg.cluster.gpu_memory_gib * GIB
+    policy = _policy_role(cfg, plan, gpu)
+    roles = [policy]
+    g = cfg.policy.generation
+    if g.backend == "vllm" and not g.colocated.enabled:
+        place = plan.placements["generation"]
+        rows, problems, note = _vllm_rows(cfg, _spec(cfg.policy, "policy", False, sizing_only=True), gpu)
+        roles.append(RolePlan("generation", f"vLLM TP {g.vllm_cfg.tensor_parallel_size}, {place.world_size} GPUs "
+                              f"on nodes {node_list(place.nodes)}", _with_reserve([Device("every rank", {
+                                  "generation": rows})]), place.gpus_per_node, notes=[note], problems=problems))
+    r = cfg.env.reward_model
+    if r is not None and r.enabled:
+        roles.append(_reward_model_role(r, plan))
+    return MemoryPlan(gpu, roles)
+
+
+def _spec(p, key: str, scalar_head: bool, sizing_only: bool = False):
+    """The ModelSpec of policy-like config p (model, back end, layout); ConfigError naming `key` otherwise."""
+    from nemo_grpo.config import ConfigError
+    from nemo_grpo.planning.params import decoder_spec, hf_config
+
+    megatron = p.backend == "megatron" and not sizing_only
+    tp, pp = ((p.megatron_cfg.tensor_model_parallel_size, p.megatron_cfg.pipeline_model_parallel_size)
+              if megatron else (1, 1))
+    try:
+        return decoder_spec(hf_config(p.model_name, f"{key}.model_name"), scalar_head, tp, pp, megatron)
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{key} ({p.model_name}): {e}".replace("policy.megatron_cfg", f"{key}.megatron_cfg"))\
+            from None
+
+
+def _layout(p, world: int, nodes: tuple) -> str:
+    if p.backend == "megatron":
+        m = p.megatron_cfg
+        tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+        shape = f"megatron TP {tp} x PP {pp} x DP {world // (tp * pp)}"
+        extras = [n for n, on in (("sequence parallel", m.sequence_parallel and tp > 1),
+                                  ("distributed optimizer", m.use_distributed_optimizer),
+                                  ("recompute", m.activation_checkpointing)) if on]
+    else:
+        d = p.dtensor_cfg
+        shape = f"dtensor FSDP {world // d.tensor_parallel_size} x TP {d.tensor_parallel_size}"
+        extras = ["recompute"] if d.activation_checkpointing else []
+    return f"{shape} = {world} GPUs on nodes {node_list(nodes)}, {p.precision}" + "".join(f", {e}" for e in extras)
+
+
+def _policy_role(cfg, plan, gpu: float) -> RolePlan:
+    from nemo_grpo.config import data_parallel_size
+
+    p, place = cfg.policy, plan.placements["policy"]
+    spec = _spec(p, "policy", False)
+    dp = data_parallel_size(cfg)
+    vllm_colocated = p.generation.backend == "vllm" and p.generation.colocated.enabled
+    w = Workload(seq_len=p.max_total_sequence_length, train_micro_batch=p.train_micro_batch_size,
+                 micro_batches=max(1, p.train_global_batch_size // (dp * p.train_micro_batch_size)),
+                 forward_batch=p.logprob_batch_size, training=True,
+                 reference=cfg.loss_fn.reference_policy_kl_penalty > 0, offload=vllm_colocated)
+    devices, host = DEVICE_PLANNERS[p.backend](p, spec, w, place.world_size)
+    role = RolePlan("policy", _layout(p, place.world_size, place.nodes), _with_reserve(devices),
+                    place.gpus_per_node, host_per_gpu=host)
+    pp = p.megatron_cfg.pipeline_model_parallel_size if p.backend == "megatron" else 1
+    if pp > 1:
+        role.notes.append(f"1F1B: stage k keeps the activations of min({pp} - k, {w.micro_batches} micro-batches)")
+    if vllm_colocated:
+        rows, role.problems, note = _vllm_rows(cfg, _spec(p, "policy", False, sizing_only=True), gpu)
+        for d in role.devices:
+            d.phases["generation (colocated vLLM)"] = dict(rows, **{RESERVE: RUNTIME_RESERVE_GIB * GIB})
+        role.host_per_gpu["vLLM asleep (weights)"] = next(iter(rows.values()))
+        role.notes.append(note)
+    elif p.generation.backend == "torch":
+        role.notes.append("generation: the torch engine (a fallback) is not planned")
+    if w.reference:
+        role.notes.append("reference model: a host copy of each rank's shards, swapped in for its forward")
+    return role
+
+
+def _vllm_rows(cfg, spec, gpu: float) -> tuple[dict[str, float], list[str], str]:
+    """vLLM on one of its devices: weights (bf16, / tp) and the KV cache gpu_memory_utilization leaves; the
+    problems (no room for one sequence) and a note with the cache's capacity."""
+    g, seq = cfg.policy.generation, cfg.policy.max_total_sequence_length
+    tp, util = g.vllm_cfg.tensor_parallel_size, g.vllm_cfg.gpu_memory_utilization
+    weights = total_params(spec) * 2.0 / tp
+    kv_per_token = 2 * spec.num_layers * max(1, spec.kv_heads // tp) * spec.head_dim * 2  # K and V, bf16
+    kv = util * gpu - weights
+    rows = {f"vLLM weights (bf16 / TP {tp})": weights, "vLLM KV cache": max(kv, 0.0)}
+    problems = []
+    if kv < kv_per_token * seq:
+        problems.append(f"policy.generation.vllm_cfg.gpu_memory_utilization {util} x {gpu / GIB:g} GiB leaves "
+                        f"{kv / GIB:.1f} GiB for the KV cache after {weights / GIB:.1f} GiB of weights, less than "
+                        f"one sequence of {seq} tokens ({kv_per_token * seq / GIB:.2f} GiB): raise it or "
+                        f"vllm_cfg.tensor_parallel_size")
+    rollouts = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    note = (f"vLLM KV cache per engine: {max(kv, 0) / kv_per_token:,.0f} tokens = {max(kv, 0) / kv_per_token / seq:.1f} "
+            f"sequences of {seq} tokens at once ({rollouts} rollouts per step)")
+    return rows, problems, note
+
+
+def _reward_model_role(r, plan) -> RolePlan:
+    from nemo_grpo.envs.reward_model_env import reward_model_policy_config
+
+    p, place = reward_model_policy_config(r), plan.placements["reward_model"]
+    spec = _spec(p, "env.reward_model", True)
+    w = Workload(seq_len=r.max_model_len, train_micro_batch=0, micro_batches=0, forward_batch=r.batch_size,
+                 training=False, reference=False)
+    devices, _ = DEVICE_PLANNERS[p.backend](p, spec, w, place.world_size)
+    return RolePlan("reward model", _layout(p, place.world_size, place.nodes), _with_reserve(devices),
+                    place.gpus_per_node)

@@ -1,0 +1,114 @@
+"""Parameter counts of a decoder (Llama / Qwen2 / Qwen3 family): in total, per Megatron rank (tp, pp stage) and
+per DTensor rank (tp x FSDP dp), all read off the one HF <-> Megatron tensor table (backends/mcore/weights.py).
+
+A model is described by its HF config: the `config.json` of the local directory when it exists, else the
+published config of a known model family matched on the directory's name (so a plan can be made before the
+weights are downloaded): see `KNOWN_MODELS`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from nemo_grpo.backends.mcore.weights import ModelSpec, entries, model_spec
+from nemo_grpo.config import BUILTIN_MODEL_PREFIX, ConfigError
+
+_LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+               max_position_embeddings=8192, num_key_value_heads=8, tie_word_embeddings=False)
+_LLAMA31_ROPE = dict(max_position_embeddings=131072, rope_scaling=dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=8192, rope_theta=500000.0))
+_LLAMA3_8B = dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)
+_LLAMA3_70B = dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+_QWEN = dict(vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
+
+# directory-name prefix (case-insensitive) -> the published config.json values of that model
+KNOWN_MODELS = {
+    "meta-llama-3-8b": _LLAMA3_8B,
+    "meta-llama-3-70b": _LLAMA3_70B,
+    "llama-3.1-8b": dict(_LLAMA3_8B, **_LLAMA31_ROPE),
+    "llama-3.1-70b": dict(_LLAMA3_70B, **_LLAMA31_ROPE),
+    "llama-3.3-70b": dict(_LLAMA3_70B, **_LLAMA31_ROPE),
+    "qwen2.5-1.5b": dict(_QWEN, model_type="qwen2", hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         max_position_embeddings=32768),
+    "skywork-reward-v2-qwen3-0.6b": dict(_QWEN, model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+                                         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                         head_dim=128, max_position_embeddings=40960),
+}
+
+
+def hf_config(model_name: str, key: str):
+    """The transformers config of `model_name` (builtin:*, a local directory, or a name KNOWN_MODELS matches).
+    key: the config key naming it, for the error."""
+    from transformers import AutoConfig
+
+    if model_name.startswith(BUILTIN_MODEL_PREFIX):
+        from nemo_grpo.models.builtin import builtin_config
+
+        return builtin_config()
+    if os.path.isfile(os.path.join(model_name, "config.json")):
+        return AutoConfig.from_pretrained(model_name)
+    base = os.path.basename(os.path.normpath(model_name)).lower()
+    for prefix, values in KNOWN_MODELS.items():
+        if base.startswith(prefix):
+            values = dict(values)
+            return AutoConfig.for_model(values.pop("model_type"), **values)
+    raise ConfigError(f"{key}: '{model_name}' has no config.json and its name matches no known model "
+                      f"({', '.join(KNOWN_MODELS)}); copy the model's config.json there (weights are not "
+                      f"needed to plan)")
+
+
+def decoder_spec(cfg, scalar_head: bool, tp: int = 1, pp: int = 1, megatron: bool = True) -> ModelSpec:
+    """HF config -> ModelSpec at (tp, pp); megatron=False sizes any RoPE (the DTensor back end runs them all)."""
+    return model_spec(cfg, tp, pp, scalar_head=scalar_head, any_rope=not megatron)
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def total_params(spec: ModelSpec) -> int:
+    """Parameters of the HF model (a tied lm_head counted once)."""
+    return sum(_numel(e.shape) for e in entries(spec) if not (spec.tied and e.hf == "lm_head.weight"))
+
+
+def megatron_stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> int:
+    """Parameters of one rank of pipeline stage `stage` under TP tp: split tensors / tp (the vocabulary
+    padded to spec.padded_vocab), replicated ones whole; with tied embeddings and pp > 1 the last stage holds
+    its own copy of the embedding as output layer."""
+    n = 0
+    for e in entries(spec, pp):
+        if e.stage != stage or (spec.tied and e.hf == "lm_head.weight"):
+            continue
+        if e.kind == "vocab":
+            n += spec.padded_vocab * e.shape[1] // tp
+        else:
+            n += _numel(e.shape) // (1 if e.kind == "copy" else tp)
+    if spec.tied and pp > 1 and stage == pp - 1:
+        n += spec.padded_vocab * spec.hidden // tp
+    return n
+
+
+def dtensor_rank_params(spec: ModelSpec, tp: int, dp: int) -> int:
+    """Parameters one rank holds between steps under DTensor: the decoder layers' linear weights split over tp
+    (embedding, lm_head and norms replicated over tp), then everything sharded over dp by FSDP2."""
+    n = 0
+    for e in entries(spec):
+        if spec.tied and e.hf == "lm_head.weight":
+            continue
+        split = e.kind not in ("copy", "vocab")
+        n += _numel(e.shape) // (tp if split else 1)
+    return -(-n // dp)
+
+
+def largest_fsdp_unit(spec: ModelSpec, tp: int) -> int:
+    """Parameters of the largest FSDP2 unit one rank all-gathers for a forward: a decoder layer (/tp) or the
+    root module (embedding, final norm, lm_head or score: replicated over tp)."""
+    layer = [e for e in entries(spec) if e.hf.startswith("model.layers.0.")]
+    local_layer = sum(_numel(e.shape) // (1 if e.kind == "copy" else tp) for e in layer)
+    root = total_params(spec) - spec.num_layers * sum(_numel(e.shape) for e in layer)
+    return max(local_layer, root)
