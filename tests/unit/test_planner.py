@@ -1,0 +1,311 @@
+"""The memory and layout planner (nemo_grpo/planning, python -m nemo_grpo.plan): parameter counts by hand and
+against models built on the meta device (HF and Megatron-Core, Llama-3-8B / 70B at the recipes' layouts),
+activation bytes against what autograd saves, hand-computed per-GPU figures, every recipe planned, rejections
+with their numbers."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nemo_grpo.config import ConfigError
+from nemo_grpo.plan import main as plan_main
+from nemo_grpo.plan import plan_recipe
+from nemo_grpo.planning import activations as act
+from nemo_grpo.planning.memory import GIB, RUNTIME_RESERVE_GIB
+from nemo_grpo.planning.params import (KNOWN_MODELS, decoder_spec, dtensor_rank_params, hf_config,
+                                       megatron_stage_params, total_params)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False)
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**dict(SMALL, **kw), architectures=["LlamaForCausalLM"])
+
+
+def test_parameter_counts_by_hand():
+    """h 256, ffn 512, 4 heads of 64 (2 KV heads), 2 layers, vocabulary 1000, untied."""
+    layer = 256 * 256 + 2 * 128 * 256 + 256 * 256 + 3 * 512 * 256 + 2 * 256  # q, k+v, o, gate/up/down, norms
+    assert layer == 590336
+    spec = decoder_spec(_llama(), scalar_head=False, tp=2, pp=2)
+    assert total_params(spec) == 2 * layer + 2 * 1000 * 256 + 256
+    split_layer = (256 + 128 + 128) * 256 // 2 + 256 * 256 // 2 + 3 * 512 * 256 // 2 + 2 * 256
+    assert megatron_stage_params(spec, 2, 2, 0) == split_layer + 1000 * 256 // 2  # + half the embedding
+    assert megatron_stage_params(spec, 2, 2, 1) == split_layer + 256 + 1000 * 256 // 2  # final norm, lm_head
+    # DTensor: layer linears split over tp 2, embedding / lm_head / norms replicated, all sharded over dp 2
+    assert dtensor_rank_params(spec, tp=2, dp=2) == (2 * split_layer + 2 * 1000 * 256 + 256) // 2
+
+
+def test_tied_embedding_gets_a_copy_on_the_last_stage():
+    spec = decoder_spec(_llama(tie_word_embeddings=True, vocab_size=1001), scalar_head=False, tp=2, pp=2)
+    assert spec.padded_vocab == 1002
+    assert megatron_stage_params(spec, 2, 2, 1) - megatron_stage_params(spec, 2, 2, 0) == 256  # the final norm
+    assert total_params(spec) == total_params(decoder_spec(_llama(vocab_size=1001), False)) - 1001 * 256
+
+
+@pytest.mark.parametrize("name,published", [("Meta-Llama-3-8B-Instruct", 8_030_261_248),
+                                            ("Meta-Llama-3-70B-Instruct", 70_553_706_496)])
+def test_hf_meta_model_has_the_planned_parameters(name, published):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    cfg = hf_config(f"/nonexistent/{name}", "policy.model_name")
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(cfg)
+        cfg.num_labels = 1
+        rm = AutoModelForSequenceClassification.from_config(cfg)
+    assert sum(p.numel() for p in lm.parameters()) == total_params(decoder_spec(cfg, False)) == published
+    assert sum(p.numel() for p in rm.parameters()) == total_params(decoder_spec(cfg, True))
+
+
+MEGATRON_META = r"""
+import json, sys, torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+torch.set_num_threads(1)
+name, tp, pp, head = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * pp)
+from types import SimpleNamespace
+from megatron.core import parallel_state as ps
+from nemo_grpo.backends.mcore import model as mmodel, shim
+from nemo_grpo.planning.params import decoder_spec, hf_config
+shim.apply(); shim.allow_sequence_parallel_norm()
+with shim.device_context():
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 create_gloo_process_groups=False)
+spec = decoder_spec(hf_config(name, "x"), head, tp, pp)
+layout = SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=True,
+                         activation_checkpointing=False)
+counts = []
+for stage in range(pp):
+    ps.set_pipeline_model_parallel_rank(stage)
+    with torch.device("meta"), shim.device_context():
+        model = mmodel.build_gpt(spec, mmodel.transformer_config(spec, layout, torch.bfloat16))
+    counts.append(sum(p.numel() for p in model.parameters()))
+print(json.dumps(counts))
+"""
+
+
+@pytest.mark.parametrize("name,tp,pp,head", [("Meta-Llama-3-8B-Instruct", 2, 1, False),  # grpo_math_8B_megatron
+                                             ("Meta-Llama-3-70B-Instruct", 8, 2, False),  # grpo_math_70B_megatron
+                                             ("Meta-Llama-3-70B-Reward-BT", 8, 2, True)])  # its reward model
+def test_megatron_meta_model_has_the_planned_parameters(name, tp, pp, head):
+    """Megatron-Core GPTModel chunks built on the meta device at world size tp x pp (a fake process group),
+    one per pipeline stage: each has the planner's per-rank count."""
+    proc = subprocess.run([sys.executable, "-c", MEGATRON_META, f"/nonexistent/{name}", str(tp), str(pp),
+                           "1" if head else "0"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    spec = decoder_spec(hf_config(f"/nonexistent/{name}", "x"), head, tp, pp)
+    assert counts == [megatron_stage_params(spec, tp, pp, s) for s in range(pp)]
+
+
+# ---------------------------------------------------------------------------------------------- activations
+def _saved_bytes(model, forward) -> int:
+    """Bytes of the distinct storages autograd saves for backward during forward() (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("impl", ["hf", "hf_eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_layer_activations_match_autograd(impl, dtype):
+    """One decoder layer's saved bytes (2 layers minus 1) equal the planner's formula."""
+    from transformers import LlamaForCausalLM
+
+    from nemo_grpo.backends.base import token_logprobs_from_logits
+
+    b, s = 2, 64
+    ids, mask = torch.randint(0, 1000, (b, s)), torch.ones(b, s, dtype=torch.long)
+    saved = []
+    for layers in (1, 2):
+        torch.manual_seed(0)
+        cfg = _llama(num_hidden_layers=layers, attn_implementation="sdpa" if impl == "hf" else "eager")
+        model = LlamaForCausalLM(cfg).to(dtype)
+        saved.append(_saved_bytes(model, lambda: token_logprobs_from_logits(
+            model(input_ids=ids, attention_mask=mask, use_cache=False).logits, ids, mask).sum()))
+    spec = decoder_spec(_llama(), False)
+    planned = act.layer_bytes_per_token(spec, impl, 4 if dtype == torch.float32 else 2, s) * b * s
+    assert saved[1] - saved[0] == pytest.approx(planned, rel=0.01)
+
+
+MEGATRON_ACTIVATIONS = r"""
+import json, torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from transformers import LlamaConfig
+torch.set_num_threads(1)
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+from types import SimpleNamespace
+from megatron.core import parallel_state as ps, tensor_parallel
+from nemo_grpo.backends.mcore import model as mmodel, shim, weights
+shim.apply()
+with shim.device_context():
+    ps.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+layout = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
+                         activation_checkpointing=False)
+small = json.loads(__import__("sys").argv[1])
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    for layers in (1, 2):
+        spec = weights.model_spec(LlamaConfig(**dict(small, num_hidden_layers=layers), architectures=["LlamaForCausalLM"]))
+        with shim.device_context():
+            model = mmodel.build_gpt(spec, mmodel.transformer_config(spec, layout, dtype))
+            for p in model.parameters():
+                torch.nn.init.normal_(p, std=0.02)
+            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            seen = {}
+            def pack(t):
+                if t.untyped_storage().data_ptr() not in params:
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+            ids = torch.randint(0, 1000, (2, 64))
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                model(input_ids=ids, position_ids=torch.arange(64)[None].expand(2, 64), attention_mask=None)
+        out[f"{dtype}-{layers}"] = sum(seen.values())
+print(json.dumps(out))
+"""
+
+
+def test_megatron_layer_activations_match_autograd():
+    """The Megatron-Core local layer spec (the CPU-measurable one), fp32 and bf16, at TP 1."""
+    proc = subprocess.run([sys.executable, "-c", MEGATRON_ACTIVATIONS, json.dumps(SMALL)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = json.loads(proc.stdout.strip().splitlines()[-1])
+    spec = decoder_spec(_llama(), False)
+    for dtype, nbytes in ((torch.float32, 4), (torch.bfloat16, 2)):
+        per_layer = saved[f"{dtype}-2"] - saved[f"{dtype}-1"]
+        planned = act.layer_bytes_per_token(spec, "megatron", nbytes, 64, seqs_per_micro_batch=2) * 2 * 64
+        assert per_layer == pytest.approx(planned, rel=0.01), dtype
+
+
+# ---------------------------------------------------------------------------------------------- per-GPU figures
+@pytest.fixture
+def small_model_dir(tmp_path):
+    """A model directory with only its config.json (the planner needs no weights)."""
+    _llama().save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _rows(memory, role: int, device: int, phase: str) -> dict:
+    return memory.roles[role].devices[device].phases[phase]
+
+
+def test_megatron_figures_by_hand(small_model_dir):
+    """TP 2 x PP 2 x DP 2, bf16, Adam sharded over DP, 4 micro-batches of 2 x 64 tokens per step."""
+    _, _, memory = plan_recipe(None, [
+        f"policy.model_name={small_model_dir}", "policy.backend=megatron", "policy.precision=bfloat16",
+        "policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.pipeline_model_parallel_size=2",
+        "policy.megatron_cfg.sequence_parallel=true", "policy.megatron_cfg.use_distributed_optimizer=true",
+        "cluster.gpus_per_node=8", "policy.train_global_batch_size=16", "policy.train_micro_batch_size=2",
+        "policy.max_total_sequence_length=64", "policy.generation.backend=torch"])
+    n0 = (256 + 128 + 128) * 256 // 2 + 256 * 256 // 2 + 3 * 512 * 256 // 2 + 2 * 256 + 1000 * 256 // 2
+    stage0, stage1 = _rows(memory, 0, 0, "training"), _rows(memory, 0, 1, "training")
+    spec = decoder_spec(_llama(), False, 2, 2)
+    per_token = act.layer_bytes_per_token(spec, "megatron", 2, 64, tp=2, sequence_parallel=True,
+                                          seqs_per_micro_batch=2)
+    assert stage0 == {"parameters (bfloat16)": 2 * n0, "fp32 master weights": 4 * n0, "gradients (fp32)": 4 * n0,
+                      "optimizer state (adamw: 2 x fp32 / dp 2)": 2 * 4 * n0 / 2,
+                      "activations (2 x 64 tok)": 2 * 1 * 128 * per_token,  # 2 micro-batches in flight, 1 layer
+                      "runtime reserve": RUNTIME_RESERVE_GIB * GIB}
+    assert stage1["activations (2 x 64 tok)"] == 1 * 1 * 128 * per_token  # the last stage: 1 in flight
+    assert stage1["logits"] == 128 * 500 * (2 + 4 + 4)  # vocabulary 1000 / tp 2: bf16 logits, fp32 copy + grad
+    assert "logits" not in stage0
+    assert memory.problems() == []
+
+
+def test_dtensor_figures_by_hand(small_model_dir):
+    """FSDP 4 x TP 2, fp32: sharded parameters, gradients and two Adam moments; the full model while loading."""
+    _, _, memory = plan_recipe(None, [f"policy.model_name={small_model_dir}", "cluster.gpus_per_node=8",
+                                      "policy.dtensor_cfg.tensor_parallel_size=2", "policy.generation.backend=torch"])
+    split_layer = (256 + 128 + 128) * 256 // 2 + 256 * 256 // 2 + 3 * 512 * 256 // 2 + 2 * 256
+    n = (2 * split_layer + 2 * 1000 * 256 + 256) // 4
+    train = _rows(memory, 0, 0, "training")
+    assert train["parameters (fp32, FSDP shards)"] == 4 * n
+    assert train["gradients (fp32, FSDP shards)"] == 4 * n
+    assert train["optimizer state (adamw: 2 x fp32)"] == 8 * n
+    assert train["gathered units (float32, x2)"] == (2 * 1000 * 256 + 256) * 4 * 2  # the root: embedding, head
+    assert _rows(memory, 0, 0, "loading (full fp32 model)")["full fp32 model before sharding"] == \
+        4 * total_params(decoder_spec(_llama(), False))
+
+
+def _recipes():
+    return sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "grpo_*.yaml")))
+
+
+@pytest.mark.parametrize("recipe", _recipes(), ids=os.path.basename)
+def test_every_recipe_fits_its_cluster(recipe, tiny_model_dir):
+    """Every GRPO recipe validates (model directories need not exist) and fits its stated cluster; a reward model
+    that train_rm makes first is stood in for by a tiny one."""
+    overrides = []
+    if os.path.basename(recipe) == "grpo_rm_tiny_cpu.yaml":
+        overrides.append(f"env.reward_model.model_name={tiny_model_dir('qwen2', scalar_head=True)}")
+    cfg, _, memory = plan_recipe(recipe, overrides)
+    print(f"\n{os.path.basename(recipe)}\n{memory.table()}")
+    assert memory.problems() == []
+    assert len(memory.roles) == 1 + (cfg.env.reward_model is not None and cfg.env.reward_model.enabled)
+
+
+def test_70B_recipes_plan_every_role():
+    _, resources, memory = plan_recipe(os.path.join(ROOT, "configs", "grpo_rm_70B_megatron.yaml"), [])
+    policy, rm = memory.roles
+    assert [d.label for d in policy.devices] == ["stage 0", "stage 1"]
+    assert resources.placements["policy"].nodes == tuple(range(6)) and rm.gpus_per_node == 8
+    assert {"training", "log-prob forward", "generation (colocated vLLM)"} <= set(policy.devices[0].phases)
+    assert list(rm.devices[0].phases) == ["scoring"]
+
+
+def test_a_layout_that_does_not_fit_is_rejected_with_its_numbers(capsys):
+    recipe = os.path.join(ROOT, "configs", "grpo_math_70B_megatron.yaml")
+    assert plan_main(["--config", recipe, "policy.megatron_cfg.tensor_model_parallel_size=2",
+                      "policy.megatron_cfg.pipeline_model_parallel_size=1"]) == 1
+    err = capsys.readouterr().err
+    assert "does not fit: policy (megatron TP 2 x PP 1 x DP 32" in err
+    assert "training needs" in err and "GiB per GPU > cluster.gpu_memory_gib 79.6" in err
+    assert "fp32 master weights 131.4" in err  # 70.55e9 / 2 x 4 bytes = 141.1e9 bytes
+
+
+def test_vllm_without_room_for_a_sequence_is_rejected(capsys):
+    recipe = os.path.join(ROOT, "configs", "grpo_math_70B_megatron.yaml")
+    assert plan_main(["--config", recipe, "policy.generation.vllm_cfg.tensor_parallel_size=1"]) == 1
+    err = capsys.readouterr().err
+    assert "policy.generation.vllm_cfg.gpu_memory_utilization 0.6 x 79.6 GiB leaves" in err
+    assert "131.4 GiB of weights" in err
+
+
+def test_model_errors_name_the_key(capsys):
+    megatron = os.path.join(ROOT, "configs", "grpo_math_8B_megatron.yaml")
+    assert plan_main(["--config", megatron, "policy.model_name=/models/Llama-3.1-8B-Instruct"]) == 2
+    assert "policy (/models/Llama-3.1-8B-Instruct): megatron back end: rope_type 'llama3'" in capsys.readouterr().err
+    dtensor = os.path.join(ROOT, "configs", "grpo_math_8B_dtensor.yaml")  # any RoPE on DTensor
+    assert plan_main(["--config", dtensor, "policy.model_name=/models/Llama-3.1-8B-Instruct"]) == 0
+    assert plan_main(["--config", megatron, "policy.model_name=/models/my-model"]) == 2
+    assert "policy.model_name: '/models/my-model' has no config.json" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=16 does not divide the model's "
+                                          "num_key_value_heads=8"):
+        plan_recipe(megatron, ["cluster.num_nodes=2", "policy.megatron_cfg.tensor_model_parallel_size=16"])
+
+
+def test_known_models_are_sized_like_their_published_configs():
+    sizes = {name: total_params(decoder_spec(hf_config(f"/x/{name}", "k"), False, megatron=False))
+             for name in KNOWN_MODELS}
+    assert sizes["qwen2.5-1.5b"] == 1_543_714_304 and sizes["llama-3.3-70b"] == 70_553_706_496
