@@ -51,9 +51,20 @@ def make_batch(n: int, t: int, vocab: int) -> dict:
             "token_mask": torch.ones(n, t), "sample_mask": torch.ones(n)}
 
 
+def time_train_steps(cfg, cluster, path: str, batch: dict, repeats: int, warmup: int = 1) -> dict:
+    """Median seconds of a `Policy.train(batch)` call (one optimizer step when batch is one global batch) after
+    `warmup` calls, with the workers' devices ("cuda:0" | "cpu", by rank) and process-group backend."""
+    from nemo_grpo.policy import Policy
+
+    with Policy(cfg, cluster, path) as policy:
+        for _ in range(warmup):
+            policy.train(batch, MeanLogprobLoss())
+        seconds = median_seconds(lambda: policy.train(batch, MeanLogprobLoss()), repeats)
+        return {"seconds": seconds, "devices": policy.devices, "dist_backend": policy.dist_backend}
+
+
 def time_layout(name: str, path: str, args) -> dict:
     from nemo_grpo.config import ClusterConfig, PolicyConfig
-    from nemo_grpo.policy import Policy
 
     backend, world, overrides = LAYOUTS[name]
     cfg = PolicyConfig(model_name=path, backend=backend, train_global_batch_size=args.batch,
@@ -63,9 +74,7 @@ def time_layout(name: str, path: str, args) -> dict:
         setattr(cfg.megatron_cfg if backend == "megatron" else cfg.dtensor_cfg, key, value)
     cluster = ClusterConfig(gpus_per_node=world, num_nodes=1, num_threads_per_worker=1)
     batch = make_batch(args.batch, args.seq_len, vocab=50)
-    with Policy(cfg, cluster, path) as policy:
-        policy.train(batch, MeanLogprobLoss())  # warm-up
-        s = median_seconds(lambda: policy.train(batch, MeanLogprobLoss()), args.repeats)
+    s = time_train_steps(cfg, cluster, path, batch, args.repeats)["seconds"]
     return {"seconds": s, "tok_per_s": args.batch * args.seq_len / s, "world": world}
 
 

@@ -15,6 +15,7 @@ Everything model-specific happens in the back end's `PolicyWorker` (nemo_grpo/ba
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any, Iterator
@@ -23,6 +24,7 @@ import torch
 
 from nemo_grpo.backends.base import batch_size_of, slice_batch, split_sizes
 
+log = logging.getLogger(__name__)
 TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
 
 
@@ -67,6 +69,10 @@ class Policy:
         self.dp_size = layouts[0]["dp_size"]
         self._dp_rank_of = [lay["dp_rank"] for lay in layouts]  # by global rank
         self._output_rank_of = {lay["dp_rank"]: r for r, lay in enumerate(layouts) if lay["output_rank"]}
+        self.devices = [lay["device"] for lay in layouts]  # by global rank: "cuda:0" | "cpu"
+        self.dist_backend = layouts[0]["dist_backend"]  # "nccl" | "gloo"
+        log.info("%s: %d %s worker(s) on %s, torch.distributed %s, started in %.1f s", name, self.world_size,
+                 cfg.backend, ", ".join(sorted(set(self.devices))), self.dist_backend, self.startup_s)
 
     # ------------------------------------------------------------------------------------------ dispatch
     def _per_rank(self, shards: list[Any]) -> list[tuple]:

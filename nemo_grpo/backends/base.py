@@ -284,10 +284,13 @@ class PolicyWorker(ABC):
                 torch.cuda.set_rng_state(extra["rng"]["cuda"])
 
     # ------------------------------------------------------------------------------------------ driver API
-    def layout(self) -> dict[str, int]:
-        """Where this rank sits: rank, dp_rank, dp_size, output_rank (1 if it returns its DP group's results)."""
+    def layout(self) -> dict[str, Any]:
+        """Where this rank sits: rank, dp_rank, dp_size, output_rank (1 if it returns its DP group's results),
+        and what it runs on: device ("cuda:0" | "cpu") and dist_backend ("nccl" | "gloo")."""
+        import torch.distributed as dist
+
         return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
-                "output_rank": int(self.output_rank)}
+                "output_rank": int(self.output_rank), "device": str(self.device), "dist_backend": dist.get_backend()}
 
     def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -48,10 +48,12 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = len(SPECIAL) + len(CHARS)
     return ARCHES[arch](**kw)
 
 
-def save_tiny_model(path: str, arch: str = "qwen2", seed: int = 0, scalar_head: bool = False, **overrides) -> str:
-    """Build a randomly initialised tiny model + tokenizer and save both to `path`; returns `path`."""
+def save_tiny_model(path: str, arch: str = "qwen2", seed: int = 0, scalar_head: bool = False,
+                    vocab_size: int | None = None, **overrides) -> str:
+    """Build a randomly initialised tiny model + tokenizer and save both to `path`; returns `path`.
+    vocab_size: None = the tokenizer's; larger (e.g. a benchmark's 128256) leaves ids the tokenizer never makes."""
     tokenizer = make_tokenizer()
-    cfg = tiny_config(arch, vocab_size=len(tokenizer), **overrides)
+    cfg = tiny_config(arch, vocab_size=vocab_size or len(tokenizer), **overrides)
     torch.manual_seed(seed)
     if scalar_head:
         cfg.num_labels = 1
