@@ -68,6 +68,12 @@ def attention_mask_from_lengths(input_lengths: torch.Tensor, seq_len: int) -> to
     return (torch.arange(seq_len, device=input_lengths.device)[None, :] < input_lengths[:, None]).long()
 
 
+def pool_last_token(out: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
+    """Scalar-head output [b, s, 1] -> [b], taken at each row's last real token (input_lengths - 1)."""
+    rows = torch.arange(out.shape[0], device=out.device)
+    return out[rows, (input_lengths.to(out.device) - 1).clamp(min=0), 0]
+
+
 def token_logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                temperature: float = 1.0) -> torch.Tensor:
     """logits [B, T, V] (full vocabulary), input_ids [B, T], attention_mask [B, T] -> logprobs [B, T].

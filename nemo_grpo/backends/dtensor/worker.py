@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from nemo_grpo.backends.base import PolicyWorker, token_logprobs_from_logits
+from nemo_grpo.backends.base import PolicyWorker, pool_last_token, token_logprobs_from_logits
 from nemo_grpo.backends.dtensor import parallelize as par
 from nemo_grpo.distributed.weight_transfer import TensorSpec
 
@@ -88,9 +88,7 @@ class DTensorPolicyWorker(PolicyWorker):
             pooled_by_hf = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         finally:
             handle.remove()
-        per_token = par.full_tensor(captured["out"])[..., 0]  # [b, t]
-        rows = torch.arange(per_token.shape[0], device=per_token.device)
-        scores = per_token[rows, (input_lengths.to(per_token.device) - 1).clamp(min=0)]
+        scores = pool_last_token(par.full_tensor(captured["out"]), input_lengths)  # [b, t, 1] -> [b]
         # FSDP re-gathers the root's parameters (the score head among them) for backward from a hook on the
         # root's output: make the (training) graph run through it, with weight 0
         return scores + 0.0 * par.full_tensor(pooled_by_hf).sum()

@@ -50,7 +50,8 @@ def transformer_config(spec: ModelSpec, mcfg, dtype: torch.dtype):
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         sequence_parallel=bool(mcfg.sequence_parallel and tp > 1),
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=True, perform_initialization=False,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True, perform_initialization=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         calculate_per_token_loss=True,  # the schedule passes our loss contributions through undivided

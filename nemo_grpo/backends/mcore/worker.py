@@ -27,7 +27,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from nemo_grpo.backends.base import PolicyWorker, accumulate, attention_mask_from_lengths, loss_and_metrics
+from nemo_grpo.backends.base import (PolicyWorker, accumulate, attention_mask_from_lengths, loss_and_metrics,
+                                     pool_last_token)
 from nemo_grpo.backends.mcore import shim, weights
 from nemo_grpo.distributed.weight_transfer import TensorSpec
 
@@ -193,7 +194,7 @@ class MegatronPolicyWorker(PolicyWorker):
     def _scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 input_lengths: torch.Tensor) -> torch.Tensor:
         """[b, t] -> [b]: the scalar head at position input_lengths - 1 (zeros off the last stage)."""
-        scores = self._last_stage_output(input_ids, lambda out: _pool_last(out, input_lengths))
+        scores = self._last_stage_output(input_ids, lambda out: pool_last_token(out, input_lengths))
         return torch.zeros(input_ids.shape[0], device=input_ids.device) if scores is None else scores
 
     def _forward_backward(self, micro_batches: list[dict[str, Any]], loss_fn, gvs: torch.Tensor,
@@ -220,7 +221,7 @@ class MegatronPolicyWorker(PolicyWorker):
     def _train_output_of(self, out: torch.Tensor, mb: dict[str, Any], t: int, full_t: int) -> torch.Tensor:
         """The last stage's model output -> the loss input: log-probs [b, full_t] or scalar-head scores [b]."""
         if self.scalar_head:
-            return _pool_last(out, mb["input_lengths"]).float()
+            return pool_last_token(out, mb["input_lengths"]).float()
         lp = self._token_logprobs(out, _fit_columns(mb["input_ids"], out.shape[1]))[:, :t]  # [b, t]
         lp = lp * attention_mask_from_lengths(mb["input_lengths"], t)
         return torch.nn.functional.pad(lp, (0, full_t - t))
@@ -420,10 +421,4 @@ def _accumulate_into(main: torch.nn.Parameter, param: torch.nn.Parameter) -> Non
     grad = param.grad.float()
     main.grad = grad if main.grad is None else main.grad.add_(grad)
     param.grad = None
-
-
-def _pool_last(out: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
-    """Scalar-head output [b, s, 1] -> [b], taken at each row's last real token (input_lengths - 1)."""
-    rows = torch.arange(out.shape[0], device=out.device)
-    return out[rows, (input_lengths.to(out.device) - 1).clamp(min=0), 0]
 
