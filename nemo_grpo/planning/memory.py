@@ -32,6 +32,7 @@ RUNTIME_RESERVE_GIB = 3.0
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}  # fp32 tensors per parameter
 RESERVE = "runtime reserve"
+VLLM_WEIGHTS = "vLLM weights (bf16, / its TP)"
 
 
 @dataclass
@@ -100,7 +101,8 @@ def _role_table(r: RolePlan, gpu_bytes: float) -> str:
     for d in r.devices:
         need = d.peak()[1]
         verdicts.append(f"{need / GIB:.1f} {'ok' if need <= gpu_bytes else 'OVER'}")
-    lines.append(f"{'peak of ' + format(gpu_bytes / GIB, 'g') + ' GiB':<{width}}" + "".join(f"{v:>14}" for v in verdicts))
+    peak = f"peak of {gpu_bytes / GIB:g} GiB"
+    lines.append(f"{peak:<{width}}" + "".join(f"{v:>14}" for v in verdicts))
     host = sum(r.host_per_gpu.values()) * r.gpus_per_node
     if host:
         parts = ", ".join(f"{k} {v * r.gpus_per_node / GIB:.0f}" for k, v in r.host_per_gpu.items())
@@ -175,7 +177,8 @@ def megatron_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], di
         phases["log-prob forward" if w.training else "scoring"] = dict(
             state, **_forward_rows(spec, impl, b, w, tp, sp, vocab))
         devices.append(Device(f"stage {stage}" if pp > 1 else "every rank", phases))
-        host = max(host, _host_rows(state, n, p, w, dp if m.use_distributed_optimizer else 1),
+        optimizer = _optimizer_row(p, n, dp if m.use_distributed_optimizer else 1)[1]
+        host = max(host, _host_rows(w, weights=n * b, state=sum(state.values()) + optimizer),
                    key=lambda h: sum(h.values()))
     return devices, host
 
@@ -199,17 +202,17 @@ def dtensor_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], dic
         phases["training"] = train
     phases["log-prob forward" if w.training else "scoring"] = dict(
         state, **_forward_rows(spec, "hf", b, w, tp, False, vocab))
-    return [Device("every rank", phases)], _host_rows({"parameters (fp32, FSDP shards)": n * 4.0}, n, p, w, 1)
+    return [Device("every rank", phases)], _host_rows(w, weights=n * 4.0, state=n * 4.0 + _optimizer_row(p, n, 1)[1])
 
 
-def _host_rows(state: dict, n: int, p, w: Workload, opt_shards: int) -> dict[str, float]:
-    """Host memory of one rank: the reference copy; while a colocated engine generates, the offloaded state."""
+def _host_rows(w: Workload, weights: float, state: float) -> dict[str, float]:
+    """Host memory of one rank: the reference copy of its `weights`; while a colocated vLLM generates, its
+    offloaded `state` (parameters, masters, optimizer state)."""
     rows = {}
-    weights = next(iter(state.values()))
     if w.reference:
         rows["reference copy"] = weights
     if w.offload:
-        rows["offloaded while vLLM generates"] = sum(state.values()) + _optimizer_row(p, n, opt_shards)[1]
+        rows["offloaded while vLLM generates"] = state
     return rows
 
 
@@ -230,12 +233,12 @@ def plan_memory(cfg, plan=None) -> MemoryPlan:
 
     plan = plan or plan_resources(cfg)
     gpu = cfg.cluster.gpu_memory_gib * GIB
-    policy = _policy_role(cfg, plan, gpu)
-    roles = [policy]
+    spec = _spec(cfg.policy, "policy", False)
+    roles = [_policy_role(cfg, plan, spec, gpu)]
     g = cfg.policy.generation
     if g.backend == "vllm" and not g.colocated.enabled:
         place = plan.placements["generation"]
-        rows, problems, note = _vllm_rows(cfg, _spec(cfg.policy, "policy", False, sizing_only=True), gpu)
+        rows, problems, note = _vllm_rows(cfg, spec, gpu)
         roles.append(RolePlan("generation", f"vLLM TP {g.vllm_cfg.tensor_parallel_size}, {place.world_size} GPUs "
                               f"on nodes {node_list(place.nodes)}", _with_reserve([Device("every rank", {
                                   "generation": rows})]), place.gpus_per_node, notes=[note], problems=problems))
@@ -245,21 +248,22 @@ def plan_memory(cfg, plan=None) -> MemoryPlan:
     return MemoryPlan(gpu, roles)
 
 
-def _spec(p, key: str, scalar_head: bool, sizing_only: bool = False):
-    """The ModelSpec of policy-like config p (model, back end, layout); ConfigError naming `key` otherwise."""
+def _spec(p, key: str, scalar_head: bool):
+    """The ModelSpec of policy-like config p (model, back end, layout); ConfigError naming `key` otherwise.
+    Its total size, heads and layers do not depend on the layout (the vLLM rows use it too)."""
     from nemo_grpo.config import ConfigError
     from nemo_grpo.planning.params import decoder_spec, hf_config
 
-    megatron = p.backend == "megatron" and not sizing_only
+    megatron = p.backend == "megatron"
     tp, pp = ((p.megatron_cfg.tensor_model_parallel_size, p.megatron_cfg.pipeline_model_parallel_size)
               if megatron else (1, 1))
     try:
-        return decoder_spec(hf_config(p.model_name, f"{key}.model_name"), scalar_head, tp, pp, megatron)
+        return decoder_spec(hf_config(p.model_name, f"{key}.model_name"), scalar_head, tp, pp, megatron,
+                            layout_key=f"{key}.megatron_cfg")
+    except ConfigError:
+        raise
     except ValueError as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{key} ({p.model_name}): {e}".replace("policy.megatron_cfg", f"{key}.megatron_cfg"))\
-            from None
+        raise ConfigError(f"{key} ({p.model_name}): {e}") from None
 
 
 def _layout(p, world: int, nodes: tuple) -> str:
@@ -277,11 +281,10 @@ def _layout(p, world: int, nodes: tuple) -> str:
     return f"{shape} = {world} GPUs on nodes {node_list(nodes)}, {p.precision}" + "".join(f", {e}" for e in extras)
 
 
-def _policy_role(cfg, plan, gpu: float) -> RolePlan:
+def _policy_role(cfg, plan, spec, gpu: float) -> RolePlan:
     from nemo_grpo.config import data_parallel_size
 
     p, place = cfg.policy, plan.placements["policy"]
-    spec = _spec(p, "policy", False)
     dp = data_parallel_size(cfg)
     vllm_colocated = p.generation.backend == "vllm" and p.generation.colocated.enabled
     w = Workload(seq_len=p.max_total_sequence_length, train_micro_batch=p.train_micro_batch_size,
@@ -295,10 +298,10 @@ def _policy_role(cfg, plan, gpu: float) -> RolePlan:
     if pp > 1:
         role.notes.append(f"1F1B: stage k keeps the activations of min({pp} - k, {w.micro_batches} micro-batches)")
     if vllm_colocated:
-        rows, role.problems, note = _vllm_rows(cfg, _spec(p, "policy", False, sizing_only=True), gpu)
+        rows, role.problems, note = _vllm_rows(cfg, spec, gpu)
         for d in role.devices:
             d.phases["generation (colocated vLLM)"] = dict(rows, **{RESERVE: RUNTIME_RESERVE_GIB * GIB})
-        role.host_per_gpu["vLLM asleep (weights)"] = next(iter(rows.values()))
+        role.host_per_gpu["vLLM asleep (weights)"] = rows[VLLM_WEIGHTS]
         role.notes.append(note)
     elif p.generation.backend == "torch":
         role.notes.append("generation: the torch engine (a fallback) is not planned")
@@ -315,7 +318,7 @@ def _vllm_rows(cfg, spec, gpu: float) -> tuple[dict[str, float], list[str], str]
     weights = total_params(spec) * 2.0 / tp
     kv_per_token = 2 * spec.num_layers * max(1, spec.kv_heads // tp) * spec.head_dim * 2  # K and V, bf16
     kv = util * gpu - weights
-    rows = {f"vLLM weights (bf16 / TP {tp})": weights, "vLLM KV cache": max(kv, 0.0)}
+    rows = {VLLM_WEIGHTS: weights, "vLLM KV cache": max(kv, 0.0)}
     problems = []
     if kv < kv_per_token * seq:
         problems.append(f"policy.generation.vllm_cfg.gpu_memory_utilization {util} x {gpu / GIB:g} GiB leaves "
@@ -323,7 +326,8 @@ def _vllm_rows(cfg, spec, gpu: float) -> tuple[dict[str, float], list[str], str]
                         f"one sequence of {seq} tokens ({kv_per_token * seq / GIB:.2f} GiB): raise it or "
                         f"vllm_cfg.tensor_parallel_size")
     rollouts = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    note = (f"vLLM KV cache per engine: {max(kv, 0) / kv_per_token:,.0f} tokens = {max(kv, 0) / kv_per_token / seq:.1f} "
+    tokens = max(kv, 0.0) / kv_per_token
+    note = (f"vLLM TP {tp}, KV cache per engine: {tokens:,.0f} tokens = {tokens / seq:.1f} "
             f"sequences of {seq} tokens at once ({rollouts} rollouts per step)")
     return rows, problems, note
 

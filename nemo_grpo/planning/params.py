@@ -8,9 +8,10 @@ weights are downloaded): see `KNOWN_MODELS`.
 
 from __future__ import annotations
 
+import math
 import os
 
-from nemo_grpo.backends.mcore.weights import ModelSpec, entries, model_spec
+from nemo_grpo.backends.mcore.weights import Entry, ModelSpec, entries, model_spec
 from nemo_grpo.config import BUILTIN_MODEL_PREFIX, ConfigError
 
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -59,35 +60,37 @@ def hf_config(model_name: str, key: str):
                       f"needed to plan)")
 
 
-def decoder_spec(cfg, scalar_head: bool, tp: int = 1, pp: int = 1, megatron: bool = True) -> ModelSpec:
+def decoder_spec(cfg, scalar_head: bool, tp: int = 1, pp: int = 1, megatron: bool = True,
+                 layout_key: str = "policy.megatron_cfg") -> ModelSpec:
     """HF config -> ModelSpec at (tp, pp); megatron=False sizes any RoPE (the DTensor back end runs them all)."""
-    return model_spec(cfg, tp, pp, scalar_head=scalar_head, any_rope=not megatron)
+    return model_spec(cfg, tp, pp, scalar_head=scalar_head, any_rope=not megatron, layout_key=layout_key)
 
 
-def _numel(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _stored(spec: ModelSpec, pp: int = 1) -> list[Entry]:
+    """The entries that are tensors of their own (a tied lm_head is the embedding)."""
+    return [e for e in entries(spec, pp) if not (spec.tied and e.hf == "lm_head.weight")]
+
+
+def _on_tp_rank(e: Entry, spec: ModelSpec, tp: int, vocab_parallel: bool) -> int:
+    """Elements of HF tensor e on one tensor-parallel rank: replicated ones whole; the vocabulary padded and
+    split with vocab_parallel (Megatron), else whole (DTensor); the other linear weights / tp."""
+    if e.kind == "copy" or (e.kind == "vocab" and not vocab_parallel):
+        return math.prod(e.shape)
+    if e.kind == "vocab":
+        return spec.padded_vocab * e.shape[1] // tp
+    return math.prod(e.shape) // tp
 
 
 def total_params(spec: ModelSpec) -> int:
     """Parameters of the HF model (a tied lm_head counted once)."""
-    return sum(_numel(e.shape) for e in entries(spec) if not (spec.tied and e.hf == "lm_head.weight"))
+    return sum(math.prod(e.shape) for e in _stored(spec))
 
 
 def megatron_stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> int:
     """Parameters of one rank of pipeline stage `stage` under TP tp: split tensors / tp (the vocabulary
     padded to spec.padded_vocab), replicated ones whole; with tied embeddings and pp > 1 the last stage holds
     its own copy of the embedding as output layer."""
-    n = 0
-    for e in entries(spec, pp):
-        if e.stage != stage or (spec.tied and e.hf == "lm_head.weight"):
-            continue
-        if e.kind == "vocab":
-            n += spec.padded_vocab * e.shape[1] // tp
-        else:
-            n += _numel(e.shape) // (1 if e.kind == "copy" else tp)
+    n = sum(_on_tp_rank(e, spec, tp, vocab_parallel=True) for e in _stored(spec, pp) if e.stage == stage)
     if spec.tied and pp > 1 and stage == pp - 1:
         n += spec.padded_vocab * spec.hidden // tp
     return n
@@ -96,19 +99,13 @@ def megatron_stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> int:
 def dtensor_rank_params(spec: ModelSpec, tp: int, dp: int) -> int:
     """Parameters one rank holds between steps under DTensor: the decoder layers' linear weights split over tp
     (embedding, lm_head and norms replicated over tp), then everything sharded over dp by FSDP2."""
-    n = 0
-    for e in entries(spec):
-        if spec.tied and e.hf == "lm_head.weight":
-            continue
-        split = e.kind not in ("copy", "vocab")
-        n += _numel(e.shape) // (tp if split else 1)
-    return -(-n // dp)
+    return -(-sum(_on_tp_rank(e, spec, tp, vocab_parallel=False) for e in _stored(spec)) // dp)
 
 
 def largest_fsdp_unit(spec: ModelSpec, tp: int) -> int:
     """Parameters of the largest FSDP2 unit one rank all-gathers for a forward: a decoder layer (/tp) or the
     root module (embedding, final norm, lm_head or score: replicated over tp)."""
     layer = [e for e in entries(spec) if e.hf.startswith("model.layers.0.")]
-    local_layer = sum(_numel(e.shape) // (1 if e.kind == "copy" else tp) for e in layer)
-    root = total_params(spec) - spec.num_layers * sum(_numel(e.shape) for e in layer)
+    local_layer = sum(_on_tp_rank(e, spec, tp, vocab_parallel=False) for e in layer)
+    root = total_params(spec) - spec.num_layers * sum(math.prod(e.shape) for e in layer)
     return max(local_layer, root)

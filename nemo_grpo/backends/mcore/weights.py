@@ -63,9 +63,11 @@ def _rope_theta(cfg, strict: bool = True) -> float:
 
 
 def model_spec(cfg, tp: int = 1, pp: int = 1, scalar_head: bool = False,
-               transformer_engine: bool = False, any_rope: bool = False) -> ModelSpec:
-    """HF config -> ModelSpec; raises ValueError naming an unknown architecture or a size tp/pp cannot split.
-    any_rope: accept RoPE scalings the Megatron back end cannot build (for sizing a model only)."""
+               transformer_engine: bool = False, any_rope: bool = False,
+               layout_key: str = "policy.megatron_cfg") -> ModelSpec:
+    """HF config -> ModelSpec; raises ValueError naming an unknown architecture or a size tp/pp cannot split
+    (the sizes named under layout_key). any_rope: accept RoPE scalings the Megatron back end cannot build (for
+    sizing a model only)."""
     arch = (getattr(cfg, "architectures", None) or ["?"])[0]
     family = CAUSAL_LM.get(arch) or SEQ_CLS.get(arch) or {"llama": "llama", "qwen2": "qwen2",
                                                            "qwen3": "qwen3"}.get(getattr(cfg, "model_type", ""))
@@ -81,10 +83,10 @@ def model_spec(cfg, tp: int = 1, pp: int = 1, scalar_head: bool = False,
     sizes = {"num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": cfg.intermediate_size}
     bad = {k: v for k, v in sizes.items() if v % tp}
     if bad:
-        raise ValueError(f"policy.megatron_cfg.tensor_model_parallel_size={tp} does not divide the model's "
+        raise ValueError(f"{layout_key}.tensor_model_parallel_size={tp} does not divide the model's "
                          + ", ".join(f"{k}={v}" for k, v in bad.items()))
     if cfg.num_hidden_layers % pp:
-        raise ValueError(f"policy.megatron_cfg.pipeline_model_parallel_size={pp} does not divide the model's "
+        raise ValueError(f"{layout_key}.pipeline_model_parallel_size={pp} does not divide the model's "
                          f"num_hidden_layers={cfg.num_hidden_layers}")
     return ModelSpec(
         family=family, num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ffn=cfg.intermediate_size,
