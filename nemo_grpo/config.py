@@ -17,11 +17,9 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from nemo_grpo.errors import ConfigError  # noqa: F401  (re-exported: the config's own error)
+
 BUILTIN_MODEL_PREFIX = "builtin:"
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the offending key."""
 
 
 # ----------------------------------------------------------------------------------------------- policy

@@ -11,10 +11,7 @@ import os
 from typing import Iterator
 
 from nemo_grpo.config import DatasetConfig
-
-
-class DataError(ValueError):
-    """A dataset problem; the message names the file, line or key."""
+from nemo_grpo.errors import DataError  # noqa: F401  (re-exported)
 
 
 def addition_problems() -> list[dict[str, str]]:

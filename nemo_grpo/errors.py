@@ -1,0 +1,17 @@
+"""The errors a user's input causes (config, recipe files, data, output directories).
+
+Entry points catch `UserInputError` and print its message as one line on stderr, exit status 2, wherever it is
+raised: while loading the config or while building the run. Anything else is a bug and keeps its traceback.
+"""
+
+
+class UserInputError(ValueError):
+    """Bad input from the user; the message names the config key, the file (and line) or the value."""
+
+
+class ConfigError(UserInputError):
+    """A configuration problem; the message names the offending key."""
+
+
+class DataError(UserInputError):
+    """A data file or data set that cannot be used as configured; the message names the file (and line)."""
