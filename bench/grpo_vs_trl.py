@@ -85,7 +85,7 @@ def copy_bound(trainer) -> dict[str, float]:
 def run_nemo(engine: str, args) -> dict:
     """One in-process nemo_grpo run: per-step seconds, generated tokens, rewards, refit stats, copy bound."""
     from nemo_grpo.build import build_trainer
-    from nemo_grpo.config import load_config
+    from nemo_grpo.validation import load_config
 
     log_dir = tempfile.mkdtemp(prefix=f"bench_{engine}_")
     trainer = build_trainer(load_config(None, nemo_overrides(engine, args, log_dir)))

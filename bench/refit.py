@@ -34,8 +34,8 @@ def main() -> None:
 
     from nemo_grpo.config import ClusterConfig, ColocatedConfig, PolicyConfig
     from nemo_grpo.distributed.cluster import init_ray
-    from nemo_grpo.generation.interface import make_generation_engine
-    from nemo_grpo.generation.refit import make_refitter
+    from nemo_grpo.generation import make_generation_engine
+    from nemo_grpo.weights.refit import make_refitter
     from nemo_grpo.models.tiny import save_tiny_model
     from nemo_grpo.policy import Policy
 

@@ -47,14 +47,13 @@ def hf_scores(path: str, batch: dict) -> torch.Tensor:
 
 def time_layout(name: str, path: str, batch: dict, args) -> dict:
     from nemo_grpo.config import ClusterConfig, RewardModelEnvConfig
-    from nemo_grpo.envs.reward_model_env import reward_model_policy_config
     from nemo_grpo.policy import Policy
 
     backend, tp = LAYOUTS[name]
     cfg = RewardModelEnvConfig(model_name=path, batch_size=args.batch_size, backend=backend)
     cfg.dtensor_cfg.tensor_parallel_size = tp if backend == "dtensor" else 1
     cfg.megatron_cfg.tensor_model_parallel_size = tp if backend == "megatron" else 1
-    with Policy(reward_model_policy_config(cfg), ClusterConfig(gpus_per_node=tp, num_nodes=1), path,
+    with Policy(cfg.policy_config(), ClusterConfig(gpus_per_node=tp, num_nodes=1), path,
                 scalar_head=True) as policy:
         scores = policy.score(batch)  # warm-up, and the parity check
         seconds = median_seconds(lambda: policy.score(batch), args.repeats)

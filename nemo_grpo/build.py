@@ -55,7 +55,7 @@ def build_trainer(cfg: MasterConfig):
     from nemo_grpo.algorithms.grpo import GRPOTrainer
     from nemo_grpo.distributed.cluster import init_ray
     from nemo_grpo.distributed.resource_plan import plan_resources, reserve
-    from nemo_grpo.generation.interface import make_generation_engine
+    from nemo_grpo.generation import make_generation_engine
     from nemo_grpo.models.builtin import resolve_model_path
     from nemo_grpo.policy import Policy
     from nemo_grpo.utils.checkpoint import CheckpointManager

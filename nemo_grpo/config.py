@@ -1,14 +1,14 @@
-"""Typed configuration: dataclass schema, YAML recipes, dotted command-line overrides, validation.
+"""Typed configuration: the dataclass schema, YAML recipes and dotted command-line overrides (the ground floor).
 
 A recipe is YAML data merged onto the schema below with OmegaConf, so an unknown key or a value of the
-wrong type is rejected with the full dotted key. Cross-field rules (batch divisibility, parallel layout)
-live in `validate()`. Every error is a `ConfigError` whose message names the key and what is allowed.
-Key names follow NeMo RL's GRPO guide so its users recognise them.
+wrong type is rejected with the full dotted key (`read_config`). Cross-field rules (batch divisibility,
+parallel layout, resources, files) live one floor up in nemo_grpo/validation.py, which also has the
+validated loaders the entry points use. Every error is a `ConfigError` whose message names the key and what is
+allowed. Key names follow NeMo RL's GRPO guide so its users recognise them.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -63,7 +63,7 @@ class ResourcesConfig:
 class ColocatedConfig:
     # true: generation shares the policy's devices; weights refit through Ray's object store.
     # false: generation is a separate group of actors; weights refit over a collective group of their own
-    # (gloo on CPU, NCCL on GPU) from policy rank 0 (nemo_grpo/generation/refit.py)
+    # (gloo on CPU, NCCL on GPU) from policy rank 0 (nemo_grpo/weights/refit.py)
     enabled: bool = True
     # the devices of non-colocated generation: required on GPUs, unused on a CPU-only cluster
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
@@ -184,7 +184,7 @@ class CodeEnvConfig:
 
 @dataclass
 class RewardModelTypeConfig:
-    enabled: bool = True
+    enabled: bool = True  # NeMo RL's switch; false turns the reward model off like env.reward_model.enabled
     reward_model_type: str = "bradley_terry"  # a scalar head over the last real token (the only type so far)
 
 
@@ -203,6 +203,17 @@ class RewardModelEnvConfig:
     backend: str = "dtensor"  # dtensor | megatron
     dtensor_cfg: DTensorConfig = field(default_factory=DTensorConfig)
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
+
+    @property
+    def active(self) -> bool:
+        """The reward model runs (gets devices, scores) only when both switches are on."""
+        return self.enabled and self.reward_model_cfg.enabled
+
+    def policy_config(self) -> "PolicyConfig":
+        """The PolicyConfig of this scoring-only policy (no optimizer steps are taken)."""
+        return PolicyConfig(model_name=self.model_name, backend=self.backend, precision=self.precision,
+                            logprob_batch_size=self.batch_size, max_total_sequence_length=self.max_model_len,
+                            dtensor_cfg=self.dtensor_cfg, megatron_cfg=self.megatron_cfg)
 
 
 @dataclass
@@ -292,6 +303,43 @@ class MasterConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
+# ----------------------------------------------------------------------------------------------- reward models
+@dataclass
+class RMDataConfig:
+    train_data_path: str = ""  # JSONL of preference pairs, or builtin:addition (generated, seed 0)
+    val_data_path: Optional[str] = None  # (builtin:addition: other wrong answers, seed 1)
+    max_seq_length: int = 256  # longer conversations keep their last tokens
+
+
+@dataclass
+class RMLoopConfig:
+    max_num_steps: int = 100  # optimizer steps of policy.train_global_batch_size rows (= half as many pairs)
+    val_period: int = 10  # 0: validate only at the end
+    seed: int = 42
+    output_dir: str = "results/rm"  # init/ (a causal LM's seeded score head) and hf/ (the trained model)
+
+
+@dataclass
+class RMTrainConfig:
+    """python -m nemo_grpo.train_rm: Bradley-Terry training of a reward model (nemo_grpo/algorithms/reward_model.py)."""
+    policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(max_grad_norm=1.0))
+    rm: RMLoopConfig = field(default_factory=RMLoopConfig)
+    data: RMDataConfig = field(default_factory=RMDataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=lambda: CheckpointingConfig(
+        checkpoint_dir="results/rm/checkpoints"))
+    logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(log_dir="logs/rm", plot=False))
+
+
+@dataclass
+class RMEvalConfig:
+    """python -m nemo_grpo.eval_rm: accuracy of a reward model (the reward-model environment's section, its
+    resources being the worker processes / devices it runs on) on preference pairs."""
+    reward_model: RewardModelEnvConfig = field(default_factory=lambda: RewardModelEnvConfig(
+        resources=ResourcesConfig(gpus_per_node=1, num_nodes=1)))
+    data_path: str = ""  # JSONL of preference pairs with a "subset" per row, or builtin:addition
+
+
 TOP_LEVEL_SECTIONS = {
     "policy": "model, back end (policy.backend), batch sizes, optimizer, parallelism, generation engine",
     "loss_fn": "clipped policy-gradient loss: clipping, KL to the reference, importance sampling",
@@ -309,10 +357,14 @@ def _read_yaml(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"--config: file not found: {path}")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
+    except UnicodeDecodeError as e:
+        line = 1 + open(path, "rb").read()[: e.start].count(b"\n")
+        raise ConfigError(f"--config: {path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start}); save the recipe as UTF-8") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"--config: {path} is not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {path} must hold a mapping of sections, got {type(data).__name__}")
     parent = data.pop("defaults", None)  # a recipe may inherit from another recipe file
@@ -328,24 +380,20 @@ def _explain(e: OmegaConfBaseException) -> str:
     return f"config key '{key}': {msg}"
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, *, schema: type = None,
-                check=None) -> Any:
-    """YAML recipe (optional) + dotted overrides -> a validated config: MasterConfig and `validate`, or another
-    dataclass `schema` with its own `check(cfg)` (e.g. reward-model training)."""
-    schema, check = schema or MasterConfig, check or validate
+def read_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, schema: type = None) -> Any:
+    """YAML recipe (optional) + dotted overrides -> a typed config of `schema` (default MasterConfig): unknown keys
+    and wrong types are rejected with the dotted key. Cross-field rules are nemo_grpo/validation.py's."""
     try:
-        merged = OmegaConf.structured(schema)
+        merged = OmegaConf.structured(schema or MasterConfig)
         if path:
             merged = OmegaConf.merge(merged, _read_yaml(path))
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override '{item}' must look like key.sub=value")
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
-        cfg = OmegaConf.to_object(merged)
+        return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_explain(e)) from None
-    check(cfg)
-    return cfg
 
 
 def to_dict(cfg: MasterConfig) -> dict[str, Any]:
@@ -355,213 +403,4 @@ def to_dict(cfg: MasterConfig) -> dict[str, Any]:
 def to_yaml(cfg: MasterConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
-
-# ----------------------------------------------------------------------------------------------- validation
-def _need(ok: bool, key: str, msg: str) -> None:
-    if not ok:
-        raise ConfigError(f"config key '{key}': {msg}")
-
-
-def _choice(value: Any, key: str, allowed) -> None:
-    _need(value in allowed, key, f"got {value!r}; allowed: {', '.join(map(str, allowed))}")
-
-
-def world_size(cfg: MasterConfig) -> int:
-    """The policy's devices (worker processes on a CPU): the cluster less what the resource plan gives the
-    reward model and non-colocated generation (nemo_grpo/distributed/resource_plan.py)."""
-    from nemo_grpo.distributed.resource_plan import plan_resources
-
-    return plan_resources(cfg).placements["policy"].world_size
-
-
-def validate(cfg: MasterConfig, files: bool = True) -> None:
-    """Cross-field checks; raises ConfigError naming the key. Runs before anything is built.
-    files=False skips checking that model directories and prompt files exist (planning before a download)."""
-    _validate_policy(cfg, files)
-    _validate_parallel(cfg)
-    _validate_batches(cfg)
-    _validate_loss(cfg.loss_fn)
-    _validate_grpo(cfg)
-    _validate_data_env(cfg, files)
-
-
-def _validate_policy(cfg: MasterConfig, files: bool) -> None:
-    from nemo_grpo.backends import BACKENDS
-
-    p = cfg.policy
-    _choice(p.backend, "policy.backend", sorted(BACKENDS))
-    _choice(p.precision, "policy.precision", ["float32", "bfloat16"])
-    _choice(p.optimizer.name, "policy.optimizer.name", ["adamw", "sgd"])
-    _need(p.optimizer.lr > 0, "policy.optimizer.lr", f"must be > 0, got {p.optimizer.lr}")
-    _need(p.max_grad_norm is None or p.max_grad_norm > 0, "policy.max_grad_norm", "must be > 0 or null")
-    if files and not p.model_name.startswith(BUILTIN_MODEL_PREFIX):
-        _need(os.path.isdir(p.model_name), "policy.model_name",
-              f"'{p.model_name}' is not a local directory (a Hugging Face model directory or builtin:tiny-addition)")
-    g = p.generation
-    _choice(g.backend, "policy.generation.backend", ["torch", "vllm"])
-    _need(g.temperature > 0, "policy.generation.temperature", f"must be > 0, got {g.temperature}")
-    _need(0 < g.top_p <= 1, "policy.generation.top_p", f"must be in (0, 1], got {g.top_p}")
-    _need(g.top_k is None or g.top_k > 0, "policy.generation.top_k", "must be > 0 or null")
-    _need(g.max_new_tokens > 0, "policy.generation.max_new_tokens", "must be > 0")
-    _need(g.refit_bucket_size_mb > 0, "policy.generation.refit_bucket_size_mb", "must be > 0")
-    _need(g.vllm_cfg.tensor_parallel_size > 0, "policy.generation.vllm_cfg.tensor_parallel_size", "must be > 0")
-    _need(0 < g.vllm_cfg.gpu_memory_utilization <= 1, "policy.generation.vllm_cfg.gpu_memory_utilization",
-          f"must be in (0, 1], got {g.vllm_cfg.gpu_memory_utilization}")
-    for key in ("gpus_per_node", "num_nodes"):  # (on GPUs non-colocated generation needs both: refit.py checks)
-        value = getattr(g.colocated.resources, key)
-        _need(value is None or value > 0, f"policy.generation.colocated.resources.{key}",
-              f"must be > 0 or null, got {value}")
-    total = cfg.data.max_input_seq_length + g.max_new_tokens * cfg.grpo.max_rollout_turns
-    _need(total <= p.max_total_sequence_length, "policy.max_total_sequence_length",
-          f"{p.max_total_sequence_length} < data.max_input_seq_length ({cfg.data.max_input_seq_length}) + "
-          f"policy.generation.max_new_tokens ({g.max_new_tokens}) x grpo.max_rollout_turns "
-          f"({cfg.grpo.max_rollout_turns}) = {total}")
-
-
-def _validate_parallel(cfg: MasterConfig) -> None:
-    c = cfg.cluster
-    _need(c.gpus_per_node > 0, "cluster.gpus_per_node", "must be > 0")
-    _need(c.num_nodes > 0, "cluster.num_nodes", "must be > 0")
-    _need(c.num_threads_per_worker > 0, "cluster.num_threads_per_worker", "must be > 0")
-    _need(c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", f"must be > 0, got {c.gpu_memory_gib}")
-    world = world_size(cfg)
-    where = f"world size {world} (the policy's devices of cluster.gpus_per_node {c.gpus_per_node} x " \
-            f"cluster.num_nodes {c.num_nodes})"
-    if cfg.policy.backend == "megatron":
-        validate_megatron_layout(cfg.policy, world, where)
-        return
-    d = cfg.policy.dtensor_cfg
-    tp = d.tensor_parallel_size
-    _need(tp > 0, "policy.dtensor_cfg.tensor_parallel_size", "must be > 0")
-    _need(world % tp == 0, "policy.dtensor_cfg.tensor_parallel_size",
-          f"{where} is not divisible by tensor_parallel_size {tp}")
-    if d.data_parallel_size is not None:
-        _need(d.data_parallel_size * tp == world, "policy.dtensor_cfg.data_parallel_size",
-              f"data_parallel_size {d.data_parallel_size} x tensor_parallel_size {tp} = "
-              f"{d.data_parallel_size * tp} != {where}")
-
-
-def validate_megatron_layout(p: PolicyConfig, world: int, where: str = "") -> None:
-    """policy.megatron_cfg against the world size (also called by the back end before any actor starts)."""
-    m, key, where = p.megatron_cfg, "policy.megatron_cfg.", where or f"world size {world}"
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    _need(tp > 0, key + "tensor_model_parallel_size", "must be > 0")
-    _need(pp > 0, key + "pipeline_model_parallel_size", "must be > 0")
-    _need(world % (tp * pp) == 0, key + "tensor_model_parallel_size",
-          f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} = {tp * pp} does not divide {where}")
-    _need(m.context_parallel_size == 1, key + "context_parallel_size",
-          f"got {m.context_parallel_size}; context parallelism is not built yet: only 1 is supported")
-    _choice(m.layer_spec, key + "layer_spec", ["local", "transformer_engine"])
-    _need(m.layer_spec == "local" or importlib.util.find_spec("transformer_engine") is not None,
-          key + "layer_spec", "transformer_engine needs Transformer Engine installed (the gpu extra); use local")
-
-
-def data_parallel_size(cfg: MasterConfig) -> int:
-    if cfg.policy.backend == "megatron":
-        m = cfg.policy.megatron_cfg
-        return world_size(cfg) // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
-    return world_size(cfg) // cfg.policy.dtensor_cfg.tensor_parallel_size
-
-
-def _validate_batches(cfg: MasterConfig) -> None:
-    p, g = cfg.policy, cfg.grpo
-    dp = data_parallel_size(cfg)
-    rollout = g.num_prompts_per_step * g.num_generations_per_prompt
-    _need(p.train_global_batch_size > 0 and p.train_micro_batch_size > 0 and p.logprob_batch_size > 0,
-          "policy.train_global_batch_size", "batch sizes must be > 0")
-    _need(rollout % p.train_global_batch_size == 0, "policy.train_global_batch_size",
-          f"{p.train_global_batch_size} does not divide the rollout batch grpo.num_prompts_per_step "
-          f"({g.num_prompts_per_step}) x grpo.num_generations_per_prompt ({g.num_generations_per_prompt}) = {rollout}")
-    per_rank = p.train_global_batch_size // dp
-    _need(p.train_global_batch_size % dp == 0, "policy.train_global_batch_size",
-          f"{p.train_global_batch_size} is not divisible by the data-parallel size {dp}")
-    _need(per_rank % p.train_micro_batch_size == 0, "policy.train_micro_batch_size",
-          f"{p.train_micro_batch_size} does not divide the per-rank batch train_global_batch_size / "
-          f"data-parallel size = {p.train_global_batch_size} / {dp} = {per_rank}")
-
-
-def _validate_loss(l: LossConfig) -> None:
-    _choice(l.reference_policy_kl_type, "loss_fn.reference_policy_kl_type", ["k1", "k2", "k3"])
-    _need(l.reference_policy_kl_penalty >= 0, "loss_fn.reference_policy_kl_penalty", "must be >= 0")
-    _need(0 <= l.ratio_clip_min < 1, "loss_fn.ratio_clip_min", f"must be in [0, 1), got {l.ratio_clip_min}")
-    _need(l.ratio_clip_max >= 0, "loss_fn.ratio_clip_max", f"must be >= 0, got {l.ratio_clip_max}")
-    _need(l.ratio_clip_c is None or l.ratio_clip_c > 1, "loss_fn.ratio_clip_c",
-          f"dual-clip constant must be > 1 (usually 3) or null, got {l.ratio_clip_c}")
-    _need(l.truncated_importance_sampling_ratio is None or l.truncated_importance_sampling_ratio > 0,
-          "loss_fn.truncated_importance_sampling_ratio", "must be > 0 or null")
-    _need(l.truncated_importance_sampling_ratio is None or l.use_importance_sampling_correction,
-          "loss_fn.truncated_importance_sampling_ratio", "needs loss_fn.use_importance_sampling_correction=true")
-
-
-def _validate_grpo(cfg: MasterConfig) -> None:
-    g = cfg.grpo
-    _need(g.num_prompts_per_step > 0, "grpo.num_prompts_per_step", "must be > 0")
-    _need(g.num_generations_per_prompt > 0, "grpo.num_generations_per_prompt", "must be > 0")
-    _need(not g.use_leave_one_out_baseline or g.num_generations_per_prompt >= 2, "grpo.use_leave_one_out_baseline",
-          "needs grpo.num_generations_per_prompt >= 2")
-    _need(g.max_num_steps > 0, "grpo.max_num_steps", "must be > 0")
-    _need(g.max_rollout_turns >= 1, "grpo.max_rollout_turns", "must be >= 1")
-    _need(g.val_period >= 0, "grpo.val_period", "must be >= 0 (0 disables)")
-    _need(g.dynamic_sampling_max_gen_batches >= 1, "grpo.dynamic_sampling_max_gen_batches", "must be >= 1")
-    _need(g.batch_multiplier >= 1, "grpo.batch_multiplier", "must be >= 1")
-    r = g.reward_scaling
-    _need(r.source_max > r.source_min, "grpo.reward_scaling.source_max", "must be > source_min")
-    ck = cfg.checkpointing
-    _need(ck.save_period > 0, "checkpointing.save_period", "must be > 0")
-    _need(ck.keep_top_k is None or ck.keep_top_k > 0, "checkpointing.keep_top_k", "must be > 0 or null")
-
-
-def _validate_data_env(cfg: MasterConfig, files: bool) -> None:
-    from nemo_grpo.envs import ENVIRONMENTS
-
-    d = cfg.data
-    _need(d.max_input_seq_length > 0, "data.max_input_seq_length", "must be > 0")
-    for split in ("train", "validation"):
-        ds: Optional[DatasetConfig] = getattr(d, split)
-        if ds is None:
-            continue
-        _choice(ds.env_name, f"data.{split}.env_name", sorted(ENVIRONMENTS))
-        _need(getattr(cfg.env, ds.env_name, None) is not None, f"env.{ds.env_name}",
-              f"data.{split}.env_name is '{ds.env_name}' but env.{ds.env_name} is null")
-        for key in ("prompt_file", "system_prompt_file"):
-            path = getattr(ds, key)
-            _need(path is None or not files or os.path.isfile(path), f"data.{split}.{key}", f"file not found: {path}")
-    if cfg.env.reward_model is not None and cfg.env.reward_model.enabled:
-        from nemo_grpo.distributed.resource_plan import plan_resources
-
-        _validate_reward_model(cfg.env.reward_model, plan_resources(cfg).placements["reward_model"].world_size,
-                               files)
-    if cfg.env.code is not None:
-        c = cfg.env.code
-        _need(c.num_workers > 0, "env.code.num_workers", "must be > 0")
-        _choice(c.reward_mode, "env.code.reward_mode", ["fraction", "all_or_nothing"])
-        _need(c.timeout_s > 0 and c.cpu_s > 0 and c.memory_mb > 0, "env.code.timeout_s",
-              "timeout_s, cpu_s and memory_mb must be > 0")
-    if cfg.env.math is not None:
-        _need(cfg.env.math.num_workers > 0, "env.math.num_workers", "must be > 0")
-        _need(cfg.env.math.timeout_s > 0, "env.math.timeout_s", "must be > 0")
-
-
-def _validate_reward_model(r: RewardModelEnvConfig, world: int, files: bool = True) -> None:
-    """env.reward_model on its `world` devices of the resource plan."""
-    from nemo_grpo.backends import BACKENDS
-
-    key = "env.reward_model."
-    _need(not files or os.path.isdir(r.model_name), key + "model_name",
-          f"'{r.model_name}' is not a local directory (a Hugging Face *ForSequenceClassification model)")
-    _choice(r.backend, key + "backend", sorted(BACKENDS))
-    _choice(r.precision, key + "precision", ["float32", "bfloat16"])
-    _choice(r.reward_model_cfg.reward_model_type, key + "reward_model_cfg.reward_model_type", ["bradley_terry"])
-    _need(r.batch_size > 0, key + "batch_size", "must be > 0")
-    _need(r.max_model_len > 0, key + "max_model_len", "must be > 0")
-    if r.backend == "megatron":
-        m = r.megatron_cfg
-        _need(world % (m.tensor_model_parallel_size * m.pipeline_model_parallel_size) == 0,
-              key + "megatron_cfg.tensor_model_parallel_size",
-              f"tensor_model_parallel_size {m.tensor_model_parallel_size} x pipeline_model_parallel_size "
-              f"{m.pipeline_model_parallel_size} does not divide the reward model's {world} devices")
-    else:
-        tp = r.dtensor_cfg.tensor_parallel_size
-        _need(tp > 0 and world % tp == 0, key + "dtensor_cfg.tensor_parallel_size",
-              f"{tp} does not divide the reward model's {world} devices (env.reward_model.resources)")
 

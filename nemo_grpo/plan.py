@@ -10,10 +10,10 @@ cluster.gpu_memory_gib, 1 when one does not (the reasons, with the numbers, on s
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 
-from nemo_grpo.config import ConfigError, load_config, validate
+from nemo_grpo.errors import ConfigError
+from nemo_grpo.validation import load_config
 
 
 def plan_recipe(path: str | None, overrides: list[str]):
@@ -22,7 +22,7 @@ def plan_recipe(path: str | None, overrides: list[str]):
     from nemo_grpo.distributed.resource_plan import plan_resources
     from nemo_grpo.planning.memory import plan_memory
 
-    cfg = load_config(path, overrides, check=functools.partial(validate, files=False))
+    cfg = load_config(path, overrides, files=False)
     resources = plan_resources(cfg)
     return cfg, resources, plan_memory(cfg, resources)
 

@@ -3,13 +3,13 @@
 The front is thin: it splits a batch over the data-parallel ranks, sends every rank of a DP group the same
 rows, computes the global-batch normalizers for the loss, gathers results in order and aggregates metrics.
 Everything model-specific happens in the back end's `PolicyWorker` (nemo_grpo/backends/), picked by
-`policy.backend`; the data contract is documented in nemo_grpo/backends/base.py.
+`policy.backend`; the data contract is documented in nemo_grpo/backends/batching.py and worker.py.
 
     policy = Policy(cfg.policy, cfg.cluster, model_path, init_reference=True)
     batch["prev_logprobs"] = policy.get_logprobs(batch)          # [B, T]
     metrics = policy.train(batch, loss_fn)                        # one optimizer step per global batch
     engine.update_weights(policy.export_weights(bucket_size_mb))  # HF-named full tensors, bucket by bucket
-    make_refitter(policy, engine, cfg.policy.generation).refit()  # the same, or over a collective group
+    make_refitter(policy, engine, cfg.policy.generation).refit()  # the same, or over a collective group (weights/)
     policy.shutdown()
 """
 
@@ -22,10 +22,13 @@ from typing import Any, Iterator
 
 import torch
 
-from nemo_grpo.backends.base import batch_size_of, slice_batch, split_sizes
+from nemo_grpo.backends.batching import batch_size_of, slice_batch, split_sizes
+from nemo_grpo.layout import policy_layout
 
 log = logging.getLogger(__name__)
 TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
+# metrics every rank computes alike (rank 0's are taken): averaged over a call's optimizer steps, or summed
+RANK0_MEAN, RANK0_SUM = ("grad_norm", "lr"), ("skipped_steps",)
 
 
 def _check_keys(batch: dict[str, Any], keys, what: str) -> None:
@@ -59,7 +62,7 @@ class Policy:
         self.scalar_head, self.init_reference = scalar_head, init_reference
         self.world_size = cluster.gpus_per_node * cluster.num_nodes
         cls = worker_class(cfg.backend)
-        cls.check_layout(cfg, self.world_size)  # a bad layout fails here, before any actor starts
+        policy_layout(cfg, self.world_size)  # a bad layout fails here, before any actor starts
         t0 = time.perf_counter()
         self.group = WorkerGroup(cls, cluster, name=name, placement_group=placement_group, kwargs=dict(
             cfg=cfg, model_path=os.path.abspath(model_path), scalar_head=scalar_head,
@@ -131,7 +134,8 @@ class Policy:
 
         loss_fn(logprobs [b, T] (scalar head: scores [b]), micro_batch, global_valid_seqs, global_valid_toks)
         -> (loss, metrics), the normalizers counted over each global batch. Returns the loss-fn metrics (and "loss") summed over
-        micro-batches and DP ranks, averaged over the optimizer steps, plus "grad_norm" (pre-clip) and "lr".
+        micro-batches and DP ranks, averaged over the optimizer steps, plus "grad_norm" (pre-clip), "lr" and
+        "skipped_steps" (steps skipped for a non-finite gradient norm).
         """
         _check_keys(batch, TRAIN_KEYS, "train")
         n, gbs, dp = batch_size_of(batch), self.cfg.train_global_batch_size, self.dp_size
@@ -158,16 +162,17 @@ class Policy:
 
     @staticmethod
     def _aggregate(per_dp: list[list[dict]], rank0: list[dict]) -> dict[str, float]:
-        """Loss metrics: sum over DP, mean over steps; grad_norm / lr: rank 0's, mean over steps."""
+        """Loss metrics: sum over DP, mean over steps; grad_norm / lr: rank 0's, mean over steps;
+        skipped_steps (non-finite gradient norm): rank 0's, summed over steps."""
         steps = len(rank0)
         out: dict[str, float] = {}
         for step in range(steps):
             for rank_steps in per_dp:
                 for k, v in rank_steps[step].items():
-                    if k not in ("grad_norm", "lr"):
+                    if k not in RANK0_MEAN + RANK0_SUM:
                         out[k] = out.get(k, 0.0) + v / steps
-            for k in ("grad_norm", "lr"):
-                out[k] = out.get(k, 0.0) + rank0[step][k] / steps
+            for k in RANK0_MEAN + RANK0_SUM:
+                out[k] = out.get(k, 0.0) + rank0[step][k] / (steps if k in RANK0_MEAN else 1)
         return out
 
     # ------------------------------------------------------------------------------------------ weights
@@ -184,7 +189,7 @@ class Policy:
             pending = self.group.run_all_async("export_weight_bucket", i + 1) if i + 1 < count else None
             yield ray.get(current)[0]
 
-    # weights to a separate engine over a collective group of their own (orchestrated by generation/refit.py)
+    # weights to a separate engine over a collective group of their own (orchestrated by weights/refit.py)
     def open_weight_transfer(self, name: str, bucket_size_mb: float, timeout_s: float) -> dict[str, Any]:
         """Plan transfer `name` on every rank; rank 0's rendezvous {"host", "port", "plan", "device"}."""
         return self.group.run_all("open_weight_transfer", name, bucket_size_mb, timeout_s)[0]

@@ -12,7 +12,8 @@ import argparse
 import logging
 import sys
 
-from nemo_grpo.config import TOP_LEVEL_SECTIONS, ConfigError, load_config
+from nemo_grpo.config import TOP_LEVEL_SECTIONS, ConfigError
+from nemo_grpo.validation import load_config
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -20,7 +20,7 @@ from nemo_grpo.algorithms.advantages import compute_advantages, dynamic_sampling
 from nemo_grpo.algorithms.losses import generation_mismatch_metrics, make_loss
 from nemo_grpo.algorithms.rollout import Sample, collate, run_rollouts
 from nemo_grpo.config import MasterConfig, to_yaml
-from nemo_grpo.generation.refit import make_refitter
+from nemo_grpo.weights.refit import make_refitter
 from nemo_grpo.utils.timer import Timer
 
 log = logging.getLogger(__name__)

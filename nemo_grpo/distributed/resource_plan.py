@@ -106,12 +106,12 @@ def _dedicated_roles(cfg: MasterConfig) -> list[tuple[str, str, str, object]]:
     """(role, config key, label, ResourcesConfig) of the roles with devices of their own, in node order."""
     roles = []
     gen = cfg.policy.generation.colocated
-    # a separate engine without resources reserves no devices (a CPU cluster; on GPUs generation/refit.py
+    # a separate engine without resources reserves no devices (a CPU cluster; on GPUs weights/refit.py
     # requires policy.generation.colocated.resources)
     if not gen.enabled and (gen.resources.gpus_per_node is not None or gen.resources.num_nodes is not None):
         roles.append(("generation", GEN_KEY, "generation", gen.resources))
     rm = cfg.env.reward_model
-    if rm is not None and rm.enabled:
+    if rm is not None and rm.active:
         roles.append(("reward_model", RM_KEY, "reward model", rm.resources))
     return roles
 

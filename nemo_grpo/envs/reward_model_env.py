@@ -24,15 +24,6 @@ log = logging.getLogger(__name__)
 PREFIX = "reward_model_env"
 
 
-def reward_model_policy_config(cfg):
-    """env.reward_model -> the PolicyConfig of a scoring-only policy (no optimizer steps are taken)."""
-    from nemo_grpo.config import PolicyConfig
-
-    return PolicyConfig(model_name=cfg.model_name, backend=cfg.backend, precision=cfg.precision,
-                        logprob_batch_size=cfg.batch_size, max_total_sequence_length=cfg.max_model_len,
-                        dtensor_cfg=cfg.dtensor_cfg, megatron_cfg=cfg.megatron_cfg)
-
-
 def reward_model_tokenizer(cfg):
     """env.reward_model -> (its tokenizer, with tokenizer.chat_template applied when set; its pad id, else 0)."""
     from transformers import AutoTokenizer
@@ -60,7 +51,7 @@ class RewardModelEnvironment(EnvironmentInterface):
         r = cfg.resources
         cluster = placement.as_cluster() if placement is not None else \
             ClusterConfig(gpus_per_node=r.gpus_per_node or 1, num_nodes=r.num_nodes or 1)
-        self.policy = Policy(reward_model_policy_config(cfg), cluster, cfg.model_name, scalar_head=True,
+        self.policy = Policy(cfg.policy_config(), cluster, cfg.model_name, scalar_head=True,
                              name="reward_model", placement_group=placement_group)
         self._truncated = 0
 

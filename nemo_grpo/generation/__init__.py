@@ -1,0 +1,38 @@
+"""Generation engines by name (policy.generation.backend), imported only when used, like back ends and
+environments. Each is a GenerationEngine (interface.py) whose worker actors are WeightReceivers.
+
+    engine = make_generation_engine(cfg.policy.generation, model_path, cfg.cluster)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+from nemo_grpo.utils.registry import load_registered
+
+log = logging.getLogger(__name__)
+
+ENGINES = {
+    "vllm": "nemo_grpo.generation.vllm_engine:VllmGeneration",
+    "torch": "nemo_grpo.generation.torch_engine:TorchGeneration",
+}
+# engines that need an optional package, and the engine used where it is not installed
+OPTIONAL = {"vllm": ("vllm", "torch")}
+
+
+def vllm_available() -> bool:
+    """Whether vLLM can be imported here (without importing it: that takes ~10 s)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def make_generation_engine(cfg, model_path: str, cluster_cfg):
+    """The engine named by policy.generation.backend (vllm falls back to torch, with a notice, where vLLM is
+    not installed)."""
+    name = cfg.backend
+    if name in OPTIONAL and importlib.util.find_spec(OPTIONAL[name][0]) is None:
+        fallback = OPTIONAL[name][1]
+        log.warning("policy.generation.backend=%s but %s is not installed: using the %s engine", name,
+                    OPTIONAL[name][0], fallback)
+        name = fallback
+    return load_registered(ENGINES, name, "policy.generation.backend")(cfg, model_path, cluster_cfg)

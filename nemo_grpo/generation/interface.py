@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
-
-log = logging.getLogger(__name__)
 
 @dataclass
 class GenerationOutput:
@@ -45,7 +42,7 @@ class GenerationEngine(ABC):
         """Before a refit: take back the memory of the weights, so they can be loaded in place."""
 
     def workers(self) -> list:
-        """The Ray actors holding the engine's model replicas (each a generation.refit.WeightReceiver): the
+        """The Ray actors holding the engine's model replicas (each a weights.receiver.WeightReceiver): the
         receivers of a non-colocated refit."""
         if self.actor is None:
             raise NotImplementedError(f"{type(self).__name__} cannot be refit over a collective group "
@@ -59,18 +56,3 @@ class GenerationEngine(ABC):
         if self.actor is not None:
             ray.kill(self.actor)
             self.actor = None
-
-
-def make_generation_engine(cfg, model_path: str, cluster_cfg) -> GenerationEngine:
-    """The engine named by policy.generation.backend."""
-    if cfg.backend == "vllm":
-        from nemo_grpo.generation.vllm_engine import VllmGeneration, vllm_available
-
-        if vllm_available():
-            return VllmGeneration(cfg, model_path, cluster_cfg)
-        log.warning("policy.generation.backend=vllm but vllm is not installed: using the torch engine")
-    elif cfg.backend != "torch":
-        raise ValueError(f"policy.generation.backend '{cfg.backend}' is not available; known: torch, vllm")
-    from nemo_grpo.generation.torch_engine import TorchGeneration
-
-    return TorchGeneration(cfg, model_path, cluster_cfg)

@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 import torch
 
 from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput
-from nemo_grpo.generation.refit import WeightReceiver
+from nemo_grpo.weights.receiver import WeightReceiver
 
 
 def filter_logits(logits: torch.Tensor, top_k: Optional[int], top_p: float) -> torch.Tensor:

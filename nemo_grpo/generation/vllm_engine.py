@@ -22,7 +22,7 @@ one refit: `initialize_layerwise_reload` once, the model's `load_weights` per bu
 buffer a fused layer's tensors until the layer is complete, across buckets), `finalize_layerwise_reload` at
 the end, then `reset_prefix_cache()`. Memory stays at about one layer beyond the current bucket instead of a
 second copy of the model, and any bucket boundary is fine. Non-colocated, the same three phases run inside
-one `receive_weights` call (`WeightReceiver`, generation/refit.py), the buckets arriving over a weight-transfer
+one `receive_weights` call (`WeightReceiver`, weights/receiver.py), the buckets arriving over a weight-transfer
 group instead of through the driver. Each phase runs on every vLLM worker through `LLM.collective_rpc`, so
 `policy.generation.vllm_cfg.tensor_parallel_size > 1` works the same way: every TP worker receives the full
 HF tensors of a bucket and keeps its shard (its own `load_weights`). With TP 1 the worker is in the actor's
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import importlib.util
 import logging
 import os
 from collections import deque
@@ -42,8 +41,9 @@ from typing import Iterator, Optional
 
 import torch
 
+from nemo_grpo.generation import vllm_available
 from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput
-from nemo_grpo.generation.refit import WeightReceiver
+from nemo_grpo.weights.receiver import WeightReceiver
 
 # environment of the engine's actor: vLLM's engine core in the actor's own process (no subprocess); refit
 # phases are functions sent to the workers (collective_rpc), which vLLM's multiprocess executor only
@@ -57,11 +57,6 @@ EXPECTED_RELOAD_WARNING = "RotaryEmbedding: Failed to load weights"
 CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when the caller has not set it: plenty for small models
 MAX_MODEL_LEN_CAP = 32768  # max_model_len = min(max_position_embeddings, this) unless given
 BUCKETS_IN_FLIGHT = 2  # refit buckets sent ahead of the one being loaded (bounds object-store use)
-
-
-def vllm_available() -> bool:
-    """Whether vLLM can be imported here (without importing it: that takes ~10 s)."""
-    return importlib.util.find_spec("vllm") is not None
 
 
 def request_seed(seed: int, index: int) -> int:

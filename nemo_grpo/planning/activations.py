@@ -15,7 +15,7 @@ are replicated, or split along the sequence with Megatron's sequence parallelism
 
 from __future__ import annotations
 
-from nemo_grpo.backends.mcore.weights import ModelSpec
+from nemo_grpo.models.spec import ModelSpec
 
 IMPLEMENTATIONS = ("hf", "hf_eager", "megatron", "megatron_te")
 

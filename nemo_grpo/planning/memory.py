@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nemo_grpo.distributed.resource_plan import node_list
+from nemo_grpo.errors import ConfigError
+from nemo_grpo.layout import policy_layout
 from nemo_grpo.planning import activations as act
 from nemo_grpo.planning.params import (dtensor_rank_params, largest_fsdp_unit, megatron_stage_params,
                                        total_params)
@@ -243,7 +245,7 @@ def plan_memory(cfg, plan=None) -> MemoryPlan:
                               f"on nodes {node_list(place.nodes)}", _with_reserve([Device("every rank", {
                                   "generation": rows})]), place.gpus_per_node, notes=[note], problems=problems))
     r = cfg.env.reward_model
-    if r is not None and r.enabled:
+    if r is not None and r.active:
         roles.append(_reward_model_role(r, plan))
     return MemoryPlan(gpu, roles)
 
@@ -251,7 +253,6 @@ def plan_memory(cfg, plan=None) -> MemoryPlan:
 def _spec(p, key: str, scalar_head: bool):
     """The ModelSpec of policy-like config p (model, back end, layout); ConfigError naming `key` otherwise.
     Its total size, heads and layers do not depend on the layout (the vLLM rows use it too)."""
-    from nemo_grpo.config import ConfigError
     from nemo_grpo.planning.params import decoder_spec, hf_config
 
     megatron = p.backend == "megatron"
@@ -266,33 +267,30 @@ def _spec(p, key: str, scalar_head: bool):
         raise ConfigError(f"{key} ({p.model_name}): {e}") from None
 
 
-def _layout(p, world: int, nodes: tuple) -> str:
+def _layout(p, world: int, nodes: tuple, key: str) -> str:
+    layout = policy_layout(p, world, prefix=key)
     if p.backend == "megatron":
         m = p.megatron_cfg
-        tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-        shape = f"megatron TP {tp} x PP {pp} x DP {world // (tp * pp)}"
-        extras = [n for n, on in (("sequence parallel", m.sequence_parallel and tp > 1),
+        shape = f"megatron TP {layout.tp} x PP {layout.pp} x DP {layout.dp}"
+        extras = [n for n, on in (("sequence parallel", m.sequence_parallel and layout.tp > 1),
                                   ("distributed optimizer", m.use_distributed_optimizer),
                                   ("recompute", m.activation_checkpointing)) if on]
     else:
-        d = p.dtensor_cfg
-        shape = f"dtensor FSDP {world // d.tensor_parallel_size} x TP {d.tensor_parallel_size}"
-        extras = ["recompute"] if d.activation_checkpointing else []
+        shape = f"dtensor FSDP {layout.dp} x TP {layout.tp}"
+        extras = ["recompute"] if p.dtensor_cfg.activation_checkpointing else []
     return f"{shape} = {world} GPUs on nodes {node_list(nodes)}, {p.precision}" + "".join(f", {e}" for e in extras)
 
 
 def _policy_role(cfg, plan, spec, gpu: float) -> RolePlan:
-    from nemo_grpo.config import data_parallel_size
-
     p, place = cfg.policy, plan.placements["policy"]
-    dp = data_parallel_size(cfg)
+    dp = policy_layout(p, place.world_size).dp
     vllm_colocated = p.generation.backend == "vllm" and p.generation.colocated.enabled
     w = Workload(seq_len=p.max_total_sequence_length, train_micro_batch=p.train_micro_batch_size,
                  micro_batches=max(1, p.train_global_batch_size // (dp * p.train_micro_batch_size)),
                  forward_batch=p.logprob_batch_size, training=True,
                  reference=cfg.loss_fn.reference_policy_kl_penalty > 0, offload=vllm_colocated)
     devices, host = DEVICE_PLANNERS[p.backend](p, spec, w, place.world_size)
-    role = RolePlan("policy", _layout(p, place.world_size, place.nodes), _with_reserve(devices),
+    role = RolePlan("policy", _layout(p, place.world_size, place.nodes, "policy"), _with_reserve(devices),
                     place.gpus_per_node, host_per_gpu=host)
     pp = p.megatron_cfg.pipeline_model_parallel_size if p.backend == "megatron" else 1
     if pp > 1:
@@ -333,12 +331,10 @@ def _vllm_rows(cfg, spec, gpu: float) -> tuple[dict[str, float], list[str], str]
 
 
 def _reward_model_role(r, plan) -> RolePlan:
-    from nemo_grpo.envs.reward_model_env import reward_model_policy_config
-
-    p, place = reward_model_policy_config(r), plan.placements["reward_model"]
+    p, place = r.policy_config(), plan.placements["reward_model"]
     spec = _spec(p, "env.reward_model", True)
     w = Workload(seq_len=r.max_model_len, train_micro_batch=0, micro_batches=0, forward_batch=r.batch_size,
                  training=False, reference=False)
     devices, _ = DEVICE_PLANNERS[p.backend](p, spec, w, place.world_size)
-    return RolePlan("reward model", _layout(p, place.world_size, place.nodes), _with_reserve(devices),
+    return RolePlan("reward model", _layout(p, place.world_size, place.nodes, "env.reward_model"), _with_reserve(devices),
                     place.gpus_per_node)

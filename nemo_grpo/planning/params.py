@@ -1,5 +1,5 @@
 """Parameter counts of a decoder (Llama / Qwen2 / Qwen3 family): in total, per Megatron rank (tp, pp stage) and
-per DTensor rank (tp x FSDP dp), all read off the one HF <-> Megatron tensor table (backends/mcore/weights.py).
+per DTensor rank (tp x FSDP dp), all read off the one back-end-neutral tensor table (nemo_grpo/models/spec.py).
 
 A model is described by its HF config: the `config.json` of the local directory when it exists, else the
 published config of a known model family matched on the directory's name (so a plan can be made before the
@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import os
 
-from nemo_grpo.backends.mcore.weights import Entry, ModelSpec, entries, model_spec
 from nemo_grpo.config import BUILTIN_MODEL_PREFIX, ConfigError
+from nemo_grpo.models.spec import HFTensor, ModelSpec, hf_tensors, model_spec, pipeline_stage
 
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
                max_position_embeddings=8192, num_key_value_heads=8, tie_word_embeddings=False)
@@ -66,31 +66,31 @@ def decoder_spec(cfg, scalar_head: bool, tp: int = 1, pp: int = 1, megatron: boo
     return model_spec(cfg, tp, pp, scalar_head=scalar_head, any_rope=not megatron, layout_key=layout_key)
 
 
-def _stored(spec: ModelSpec, pp: int = 1) -> list[Entry]:
-    """The entries that are tensors of their own (a tied lm_head is the embedding)."""
-    return [e for e in entries(spec, pp) if not (spec.tied and e.hf == "lm_head.weight")]
+def _stored(spec: ModelSpec) -> list[HFTensor]:
+    """The tensors that are tensors of their own (a tied lm_head is the embedding)."""
+    return [t for t in hf_tensors(spec) if not (spec.tied and t.name == "lm_head.weight")]
 
 
-def _on_tp_rank(e: Entry, spec: ModelSpec, tp: int, vocab_parallel: bool) -> int:
-    """Elements of HF tensor e on one tensor-parallel rank: replicated ones whole; the vocabulary padded and
+def _on_tp_rank(t: HFTensor, spec: ModelSpec, tp: int, vocab_parallel: bool) -> int:
+    """Elements of HF tensor t on one tensor-parallel rank: replicated ones whole; the vocabulary padded and
     split with vocab_parallel (Megatron), else whole (DTensor); the other linear weights / tp."""
-    if e.kind == "copy" or (e.kind == "vocab" and not vocab_parallel):
-        return math.prod(e.shape)
-    if e.kind == "vocab":
-        return spec.padded_vocab * e.shape[1] // tp
-    return math.prod(e.shape) // tp
+    if t.kind == "copy" or (t.kind == "vocab" and not vocab_parallel):
+        return math.prod(t.shape)
+    if t.kind == "vocab":
+        return spec.padded_vocab * t.shape[1] // tp
+    return math.prod(t.shape) // tp
 
 
 def total_params(spec: ModelSpec) -> int:
     """Parameters of the HF model (a tied lm_head counted once)."""
-    return sum(math.prod(e.shape) for e in _stored(spec))
+    return sum(math.prod(t.shape) for t in _stored(spec))
 
 
 def megatron_stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> int:
     """Parameters of one rank of pipeline stage `stage` under TP tp: split tensors / tp (the vocabulary
     padded to spec.padded_vocab), replicated ones whole; with tied embeddings and pp > 1 the last stage holds
     its own copy of the embedding as output layer."""
-    n = sum(_on_tp_rank(e, spec, tp, vocab_parallel=True) for e in _stored(spec, pp) if e.stage == stage)
+    n = sum(_on_tp_rank(t, spec, tp, vocab_parallel=True) for t in _stored(spec) if pipeline_stage(t, spec, pp) == stage)
     if spec.tied and pp > 1 and stage == pp - 1:
         n += spec.padded_vocab * spec.hidden // tp
     return n
@@ -99,13 +99,13 @@ def megatron_stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> int:
 def dtensor_rank_params(spec: ModelSpec, tp: int, dp: int) -> int:
     """Parameters one rank holds between steps under DTensor: the decoder layers' linear weights split over tp
     (embedding, lm_head and norms replicated over tp), then everything sharded over dp by FSDP2."""
-    return -(-sum(_on_tp_rank(e, spec, tp, vocab_parallel=False) for e in _stored(spec)) // dp)
+    return -(-sum(_on_tp_rank(t, spec, tp, vocab_parallel=False) for t in _stored(spec)) // dp)
 
 
 def largest_fsdp_unit(spec: ModelSpec, tp: int) -> int:
     """Parameters of the largest FSDP2 unit one rank all-gathers for a forward: a decoder layer (/tp) or the
     root module (embedding, final norm, lm_head or score: replicated over tp)."""
-    layer = [e for e in entries(spec) if e.hf.startswith("model.layers.0.")]
-    local_layer = sum(_on_tp_rank(e, spec, tp, vocab_parallel=False) for e in layer)
-    root = total_params(spec) - spec.num_layers * sum(math.prod(e.shape) for e in layer)
+    layer = [t for t in hf_tensors(spec) if t.layer == 0]
+    local_layer = sum(_on_tp_rank(t, spec, tp, vocab_parallel=False) for t in layer)
+    root = total_params(spec) - spec.num_layers * sum(math.prod(t.shape) for t in layer)
     return max(local_layer, root)

@@ -17,9 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from nemo_grpo.algorithms.losses import generation_mismatch_metrics
 from nemo_grpo.config import ClusterConfig, ColocatedConfig, PolicyConfig
-from nemo_grpo.generation.refit import CollectiveRefitter, ObjectStoreRefitter, make_refitter
+from nemo_grpo.weights.refit import CollectiveRefitter, ObjectStoreRefitter, make_refitter
 from nemo_grpo.generation.torch_engine import TorchGeneration
-from nemo_grpo.generation.vllm_engine import VllmGeneration, vllm_available
+from nemo_grpo.generation import vllm_available
+from nemo_grpo.generation.vllm_engine import VllmGeneration
 from nemo_grpo.policy import Policy
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test loss travels to the actors by value

@@ -149,7 +149,8 @@ def test_evaluation_per_subset_is_identical_on_both_back_ends(ray_cluster, tiny_
 
     from nemo_grpo.config import RewardModelEnvConfig
     from nemo_grpo.data.preferences import read_preference_pairs
-    from nemo_grpo.eval_rm import evaluate, main
+    from nemo_grpo.algorithms.reward_model import evaluate
+    from nemo_grpo.eval_rm import main
 
     path = tiny_model_dir("qwen2", scalar_head=True)
     data = tmp_path / "pairs.jsonl"
@@ -175,6 +176,6 @@ def test_evaluation_per_subset_is_identical_on_both_back_ends(ray_cluster, tiny_
     assert dtensor == megatron
     assert {k: v[0] for k, v in dtensor.items() if k != "all"} == pytest.approx(expected)
     assert dtensor["all"] == (pytest.approx(sum(wins) / 24), 24)
-    assert main(["--model", path, "--data", str(data)]) == 0
+    assert main([f"reward_model.model_name={path}", f"data_path={data}"]) == 0
     out = capsys.readouterr().out
     assert "subset1" in out and f"{expected['subset1']:9.4f}" in out

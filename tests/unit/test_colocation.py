@@ -4,7 +4,7 @@ the engine sleeps in between, and a refit wakes its weights first (no-ops on a C
 import dataclasses
 
 from nemo_grpo.algorithms.grpo import GRPOTrainer
-from nemo_grpo.config import load_config
+from nemo_grpo.validation import load_config
 
 
 class Recorder:

@@ -6,7 +6,8 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_grpo.config import ConfigError, load_config
+from nemo_grpo.config import ConfigError
+from nemo_grpo.validation import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -91,9 +92,9 @@ def test_every_recipe_validates(recipe, tiny_model_dir):
     """Every recipe loads and validates; model directories a recipe expects to be made first (a reward model
     that train_rm writes) are stood in for by a tiny model."""
     if os.path.basename(recipe).startswith("rm_"):
-        from nemo_grpo.train_rm import RMTrainConfig, check
+        from nemo_grpo.validation import load_rm_train_config
 
-        cfg = load_config(recipe, schema=RMTrainConfig, check=check)
+        cfg = load_rm_train_config(recipe)
         assert cfg.data.train_data_path
         return
     overrides = []
@@ -110,8 +111,8 @@ def test_megatron_layout_error_shows_the_arithmetic():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["policy.backend=megatron", "policy.megatron_cfg.tensor_model_parallel_size=2",
                            "policy.megatron_cfg.pipeline_model_parallel_size=2"])
-    assert "tensor_model_parallel_size 2 x pipeline_model_parallel_size 2 = 4 does not divide world size 2" \
-        in str(e.value)
+    assert "tensor_model_parallel_size 2 x pipeline_model_parallel_size 2 x context_parallel_size 1 = 4 does not " \
+           "divide world size 2" in str(e.value)
 
 
 def test_layout_error_shows_the_arithmetic():

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, MistralConfig
 
 from nemo_grpo.backends.mcore import weights
+from nemo_grpo.models.spec import model_spec
 from nemo_grpo.models.tiny import tiny_config
 
 # llama: GQA, untied lm_head; qwen2: qkv bias, tied; qwen3: GQA, q/k norms, tied
@@ -30,7 +31,7 @@ CASES = [(arch, tp, pp) for arch in sorted(FAMILIES) for tp, pp in LAYOUTS] + [(
 @pytest.mark.parametrize("arch,tp,pp", CASES)
 def test_round_trip_is_exact(arch, tp, pp):
     cfg, state = hf_state(arch)
-    spec = weights.model_spec(cfg, tp, pp)
+    spec = model_spec(cfg, tp, pp)
     shards = {(r, p): weights.to_megatron(state.__getitem__, spec, tp, r, pp, p) for r in range(tp) for p in range(pp)}
     entries = weights.entries(spec, pp)
     assert sorted(e.hf for e in entries) == sorted(state)  # every HF tensor, tied lm_head included
@@ -47,14 +48,14 @@ def test_round_trip_is_exact(arch, tp, pp):
 
 def test_tied_embedding_copy_on_last_stage():
     cfg, state = hf_state("qwen2")
-    spec = weights.model_spec(cfg, 1, 2)
+    spec = model_spec(cfg, 1, 2)
     last = weights.to_megatron(state.__getitem__, spec, 1, 0, 2, 1)
     assert torch.equal(last["output_layer.weight"], state["model.embed_tokens.weight"])
 
 
 def test_scalar_head_maps_score_weight():
     cfg, state = hf_state("qwen3", scalar_head=True)
-    spec = weights.model_spec(cfg, 2, 2, scalar_head=True)
+    spec = model_spec(cfg, 2, 2, scalar_head=True)
     assert not spec.tied and "lm_head.weight" not in [e.hf for e in weights.entries(spec, 2)]
     last = weights.to_megatron(state.__getitem__, spec, 2, 1, 2, 1)
     assert torch.equal(last["output_layer.weight"], state["score.weight"])  # replicated over TP
@@ -64,22 +65,22 @@ def test_unknown_architecture_is_named():
     cfg = MistralConfig(hidden_size=64, num_attention_heads=2, intermediate_size=128, num_hidden_layers=2)
     cfg.architectures = ["MistralForCausalLM"]
     with pytest.raises(ValueError, match="MistralForCausalLM.*not supported.*Qwen3ForCausalLM"):
-        weights.model_spec(cfg)
+        model_spec(cfg)
 
 
 def test_sizes_that_do_not_split_are_named():
     cfg, _ = hf_state("llama")
     with pytest.raises(ValueError, match="tensor_model_parallel_size=3 .*num_attention_heads=4"):
-        weights.model_spec(cfg, tp=3)
+        model_spec(cfg, tp=3)
     with pytest.raises(ValueError, match="pipeline_model_parallel_size=3 .*num_hidden_layers=4"):
-        weights.model_spec(cfg, pp=3)
+        model_spec(cfg, pp=3)
 
 
 def test_transformer_engine_spec_names_the_fused_norms():
     """TE's layer spec keeps the pre-attention / pre-MLP norms inside linear_qkv / linear_fc1 (TE is not
     installable on the CPU machine: these are the names Megatron's TE spec gives them)."""
     cfg, state = hf_state("qwen3")
-    spec = weights.model_spec(cfg, 2, 1, transformer_engine=True)
+    spec = model_spec(cfg, 2, 1, transformer_engine=True)
     names = {e.hf: e.mcore for e in weights.entries(spec)}
     assert names["model.layers.1.input_layernorm.weight"] == "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"
     assert names["model.layers.1.post_attention_layernorm.weight"] == "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"

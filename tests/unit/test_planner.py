@@ -130,7 +130,7 @@ def test_hf_layer_activations_match_autograd(impl, dtype):
     """One decoder layer's saved bytes (2 layers minus 1) equal the planner's formula."""
     from transformers import LlamaForCausalLM
 
-    from nemo_grpo.backends.base import token_logprobs_from_logits
+    from nemo_grpo.backends.batching import token_logprobs_from_logits
 
     b, s = 2, 64
     ids, mask = torch.randint(0, 1000, (b, s)), torch.ones(b, s, dtype=torch.long)
@@ -155,7 +155,8 @@ torch.set_num_threads(1)
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
 from types import SimpleNamespace
 from megatron.core import parallel_state as ps, tensor_parallel
-from nemo_grpo.backends.mcore import model as mmodel, shim, weights
+from nemo_grpo.backends.mcore import model as mmodel, shim
+from nemo_grpo.models.spec import model_spec
 shim.apply()
 with shim.device_context():
     ps.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
@@ -166,7 +167,7 @@ small = json.loads(__import__("sys").argv[1])
 out = {}
 for dtype in (torch.float32, torch.bfloat16):
     for layers in (1, 2):
-        spec = weights.model_spec(LlamaConfig(**dict(small, num_hidden_layers=layers), architectures=["LlamaForCausalLM"]))
+        spec = model_spec(LlamaConfig(**dict(small, num_hidden_layers=layers), architectures=["LlamaForCausalLM"]))
         with shim.device_context():
             model = mmodel.build_gpt(spec, mmodel.transformer_config(spec, layout, dtype))
             for p in model.parameters():

@@ -1,15 +1,18 @@
-"""Pure helpers of the Policy front and the PolicyWorker base (no Ray, no process group)."""
+"""Pure helpers of the Policy front and the PolicyWorker's rooms (no Ray, no process group)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nemo_grpo.backends.base import (attention_mask_from_lengths, lr_warmup_factor, plan_buckets, slice_batch,
-                                     split_sizes, token_logprobs_from_logits)
-from nemo_grpo.backends.dtensor.parallelize import clip_grad_norm_
-from nemo_grpo.backends.dtensor.worker import DTensorPolicyWorker
+from nemo_grpo.backends.batching import (attention_mask_from_lengths, slice_batch, split_sizes,
+                                         token_logprobs_from_logits)
+from nemo_grpo.backends.dtensor.parallelize import grad_norm
+from nemo_grpo.backends.optimizer import clip_coefficient, lr_warmup_factor
 from nemo_grpo.config import ClusterConfig, PolicyConfig
+from nemo_grpo.errors import ConfigError
+from nemo_grpo.layout import ParallelLayout, policy_layout
 from nemo_grpo.policy import Policy, _pad_rows
+from nemo_grpo.weights.transfer import plan_buckets
 
 
 def test_split_sizes_even_and_contiguous():
@@ -67,33 +70,66 @@ def test_lr_warmup_factor():
 
 
 @pytest.mark.parametrize("max_norm", [None, 0.5, 100.0])
-def test_clip_grad_norm_matches_torch_on_plain_tensors(max_norm):
+def test_grad_norm_and_clip_coefficient_match_torch_on_plain_tensors(max_norm):
     torch.manual_seed(0)
     a = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3)]
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
     for p, q in zip(a, b):
         p.grad = torch.randn_like(p)
         q.grad = p.grad.clone()
-    norm = clip_grad_norm_(a, max_norm)
+    norm = grad_norm([p.grad for p in a])
+    coef = clip_coefficient(norm, max_norm)
+    torch._foreach_mul_([p.grad for p in a], coef)
     ref = torch.nn.utils.clip_grad_norm_(b, max_norm if max_norm is not None else float("inf"))
     assert norm == pytest.approx(float(ref), rel=1e-6)
     for p, q in zip(a, b):
         assert torch.allclose(p.grad, q.grad, atol=1e-7)
 
 
+def test_non_finite_norm_means_skip():
+    assert clip_coefficient(float("nan"), 1.0) is None and clip_coefficient(float("inf"), None) is None
+    assert clip_coefficient(0.5, 1.0) == 1.0 and clip_coefficient(3.0, None) == 1.0
+    assert clip_coefficient(4.0, 1.0) == pytest.approx(1 / (4.0 + 1e-6))
+
+
 def test_aggregate_sums_over_dp_and_averages_steps():
-    per_dp = [[{"loss": 1.0, "grad_norm": 9.0, "lr": 9.0}, {"loss": 3.0, "grad_norm": 9.0, "lr": 9.0}],
-              [{"loss": 2.0, "grad_norm": 9.0, "lr": 9.0}, {"loss": 4.0, "grad_norm": 9.0, "lr": 9.0}]]
-    rank0 = [{"loss": 1.0, "grad_norm": 2.0, "lr": 0.1}, {"loss": 3.0, "grad_norm": 4.0, "lr": 0.3}]
+    per_dp = [[{"loss": 1.0, "grad_norm": 9.0, "lr": 9.0, "skipped_steps": 9.0}, {"loss": 3.0, "grad_norm": 9.0,
+                                                                                "lr": 9.0, "skipped_steps": 9.0}],
+              [{"loss": 2.0, "grad_norm": 9.0, "lr": 9.0, "skipped_steps": 9.0}, {"loss": 4.0, "grad_norm": 9.0,
+                                                                                "lr": 9.0, "skipped_steps": 9.0}]]
+    rank0 = [{"loss": 1.0, "grad_norm": 2.0, "lr": 0.1, "skipped_steps": 1.0},
+             {"loss": 3.0, "grad_norm": 4.0, "lr": 0.3, "skipped_steps": 1.0}]
     out = Policy._aggregate(per_dp, rank0)
-    assert out == pytest.approx({"loss": 5.0, "grad_norm": 3.0, "lr": 0.2})
+    assert out == pytest.approx({"loss": 5.0, "grad_norm": 3.0, "lr": 0.2, "skipped_steps": 2.0})
 
 
 def test_bad_layout_fails_before_anything_starts():
     cfg = PolicyConfig()
     cfg.dtensor_cfg.tensor_parallel_size = 3
-    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+    with pytest.raises(ConfigError, match="'policy.dtensor_cfg.tensor_parallel_size': tensor_parallel_size 3 = 3 "
+                                          "does not divide world size 2"):
         Policy(cfg, ClusterConfig(gpus_per_node=2), "/nonexistent")
     cfg.dtensor_cfg.tensor_parallel_size, cfg.dtensor_cfg.data_parallel_size = 1, 4
-    with pytest.raises(ValueError, match="data_parallel_size=4"):
-        DTensorPolicyWorker.check_layout(cfg, 2)
+    with pytest.raises(ConfigError, match="'policy.dtensor_cfg.data_parallel_size': data_parallel_size 4 x "
+                                          "tensor_parallel_size 1 = 4 != world size 2"):
+        policy_layout(cfg, 2)
+
+
+def test_parallel_layout_names_each_degree():
+    with pytest.raises(ConfigError, match="'policy.megatron_cfg.tensor_model_parallel_size': "
+                                          "tensor_model_parallel_size 2 x pipeline_model_parallel_size 3 x "
+                                          "context_parallel_size 1 = 6 does not divide world size 4"):
+        policy_layout(PolicyConfig(backend="megatron", megatron_cfg=dict_cfg(2, 3)), 4)
+    with pytest.raises(ConfigError, match="'policy.megatron_cfg.pipeline_model_parallel_size': .* >= 1, got 0"):
+        policy_layout(PolicyConfig(backend="megatron", megatron_cfg=dict_cfg(1, 0)), 4)
+    layout = ParallelLayout.build(8, tp=2, pp=2)
+    assert (layout.dp, layout.tp, layout.pp, layout.cp) == (2, 2, 2, 1)
+    assert [layout.rank_coords(r) for r in (0, 1, 2, 5)] == [
+        {"tp": 0, "cp": 0, "dp": 0, "pp": 0}, {"tp": 1, "cp": 0, "dp": 0, "pp": 0},
+        {"tp": 0, "cp": 0, "dp": 1, "pp": 0}, {"tp": 1, "cp": 0, "dp": 0, "pp": 1}]
+
+
+def dict_cfg(tp: int, pp: int):
+    from nemo_grpo.config import MegatronConfig
+
+    return MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

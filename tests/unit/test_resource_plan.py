@@ -7,7 +7,8 @@ wants, e.g., the reward model's directory to exist).
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_grpo.config import ConfigError, MasterConfig, load_config
+from nemo_grpo.config import ConfigError, MasterConfig
+from nemo_grpo.validation import load_config
 from nemo_grpo.distributed.resource_plan import Placement, plan_resources
 
 ONE_NODE = ["cluster.gpus_per_node=8", "cluster.num_nodes=1"]

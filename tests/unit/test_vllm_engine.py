@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nemo_grpo.config import ClusterConfig, GenerationConfig
 from nemo_grpo.generation.torch_engine import filter_logits
-from nemo_grpo.generation.vllm_engine import VllmGeneration, request_seed, sampling_kwargs, vllm_available
+from nemo_grpo.generation import vllm_available
+from nemo_grpo.generation.vllm_engine import VllmGeneration, request_seed, sampling_kwargs
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 

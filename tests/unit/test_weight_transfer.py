@@ -6,10 +6,11 @@ import threading
 import pytest
 import torch
 
-from nemo_grpo.distributed import weight_transfer as wt
-from nemo_grpo.distributed.weight_transfer import TensorSpec
+from nemo_grpo.weights import transfer as wt
+from nemo_grpo.weights.transfer import TensorSpec
 from nemo_grpo.config import ConfigError, GenerationConfig
-from nemo_grpo.generation.refit import WeightReceiver, check_generation_resources
+from nemo_grpo.weights.receiver import WeightReceiver
+from nemo_grpo.weights.refit import check_generation_resources
 
 TIMEOUT_S = 60.0
 

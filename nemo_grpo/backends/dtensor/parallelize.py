@@ -14,7 +14,6 @@ Layout: a 2-D device mesh (dp, tp), tp innermost (rank = dp_rank * tp + tp_rank)
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, Optional
 
 import torch
@@ -103,8 +102,7 @@ def all_reduce_grads(params: Iterable[nn.Parameter], group) -> None:
     """Sum the local gradient shards of `params` over `group` (in place)."""
     for p in params:
         if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(g, group=group)
+            dist.all_reduce(local(p.grad), group=group)
 
 
 def _reduction_groups(t: torch.Tensor) -> tuple:
@@ -116,32 +114,27 @@ def _reduction_groups(t: torch.Tensor) -> tuple:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: Optional[float]) -> float:
-    """Global L2 norm of all gradients (DTensor on any mesh, or plain), then scale them by
-    min(1, max_norm / (norm + 1e-6)) like torch.nn.utils.clip_grad_norm_ when max_norm is set.
+def grad_norm(grads: list[torch.Tensor]) -> float:
+    """Global L2 norm of gradients (DTensor on any mesh, or plain); the same on every rank.
 
     Local squared sums are grouped by the process groups they must be summed over: one all-reduce per group.
-    Returns the pre-clip norm (same on every rank).
     """
-    grads = [p.grad for p in params if p.grad is not None]
     sums: dict[tuple, torch.Tensor] = {}
     for g in grads:
-        local = g.to_local() if isinstance(g, DTensor) else g
         key = _reduction_groups(g)
-        sq = local.detach().float().pow(2).sum()
+        sq = local(g).detach().float().pow(2).sum()
         sums[key] = sums[key] + sq if key in sums else sq
     total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
     for groups, sq in sums.items():  # same keys in the same order on every rank (same model structure)
         for group in groups:
             dist.all_reduce(sq, group=group)
         total = total + sq.to(total.device)
-    norm = float(total.sqrt())
-    if max_norm is not None and math.isfinite(norm):
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
-            for g in grads:
-                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
-    return norm
+    return float(total.sqrt())
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (a plain tensor as it is)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -2,22 +2,21 @@
 
 Only what differs from `PolicyWorker` is here: building the HF model from a local directory, the (dp, tp)
 parallelization, logits -> log-probs (full-vocabulary logits on every TP rank), the scalar head's score, the
-gradient finish (Qwen3 q_norm/k_norm all-reduce), the DTensor-aware clipped norm, the weight export
+gradient finish (Qwen3 q_norm/k_norm all-reduce), the DTensor-aware gradient norm, the weight export
 (`DTensor.full_tensor()` per HF state_dict entry) and the checkpoint format (torch.distributed.checkpoint).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from nemo_grpo.backends.base import PolicyWorker, pool_last_token, token_logprobs_from_logits
+from nemo_grpo.backends.batching import pool_last_token, token_logprobs_from_logits
 from nemo_grpo.backends.dtensor import parallelize as par
-from nemo_grpo.distributed.weight_transfer import TensorSpec
+from nemo_grpo.backends.worker import PolicyWorker
+from nemo_grpo.weights.transfer import TensorSpec
 
 
 def _tied_aliases(model: torch.nn.Module) -> frozenset:
@@ -34,25 +33,14 @@ class DTensorPolicyWorker(PolicyWorker):
     """One rank: an HF causal LM (or sequence classifier with num_labels=1) sharded over a (dp, tp) mesh."""
 
     # ------------------------------------------------------------------------------------------ build
-    @classmethod
-    def check_layout(cls, cfg, world_size: int) -> None:
-        d = cfg.dtensor_cfg
-        tp = d.tensor_parallel_size
-        if tp < 1 or world_size % tp:
-            raise ValueError(f"policy.dtensor_cfg.tensor_parallel_size={tp} does not divide the world size "
-                             f"{world_size} (cluster.gpus_per_node x cluster.num_nodes)")
-        if d.data_parallel_size is not None and d.data_parallel_size * tp != world_size:
-            raise ValueError(f"policy.dtensor_cfg.data_parallel_size={d.data_parallel_size} x "
-                             f"tensor_parallel_size={tp} != world size {world_size}")
-
     def _build_model(self) -> None:
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-        cfg = self.cfg
-        self.check_layout(cfg, self.world_size)
-        tp = cfg.dtensor_cfg.tensor_parallel_size
-        self.dp_size, self.tp_size = self.world_size // tp, tp
-        self.dp_rank, self.tp_rank = divmod(self.rank, tp)
+        cfg, layout = self.cfg, self.parallel_layout
+        tp = layout.tp
+        self.dp_size, self.tp_size = layout.dp, tp
+        coords = layout.rank_coords(self.rank)
+        self.dp_rank, self.tp_rank = coords["dp"], coords["tp"]
         self.output_rank = self.tp_rank == 0
         self.mesh = par.build_mesh(self.device.type, self.dp_size, self.tp_size)
         if self.scalar_head:
@@ -102,8 +90,11 @@ class DTensorPolicyWorker(PolicyWorker):
         if self._partial_grad_params:
             par.all_reduce_grads(self._partial_grad_params, self.mesh["tp"].get_group())
 
-    def _clip_grad_norm(self, max_norm: Optional[float]) -> float:
-        return par.clip_grad_norm_(self.model.parameters(), max_norm)
+    def _grad_norm(self) -> float:
+        return par.grad_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        return [par.local(p.grad) for p in self.model.parameters() if p.grad is not None]
 
     # ------------------------------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -112,7 +103,7 @@ class DTensorPolicyWorker(PolicyWorker):
         out = {}
         for n, p in self.model.named_parameters():
             p = p.detach()
-            out[n] = p.to_local() if isinstance(p, DTensor) else p
+            out[n] = par.local(p)
         return out
 
     def _export_specs(self) -> list[TensorSpec]:

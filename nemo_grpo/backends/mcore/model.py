@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nemo_grpo.backends.mcore.weights import ModelSpec
+from nemo_grpo.models.spec import ModelSpec
 
 
 class ScalarHead(nn.Module):

@@ -1,7 +1,8 @@
 """Hugging Face <-> Megatron-Core (local layer spec) weights for Llama / Qwen2 / Qwen3, any TP x PP layout.
 
-Pure functions, no process groups. The mapping is one table (`entries`): each HF tensor names the pipeline
-stage that owns it, the Megatron parameter (stage-local name) that holds it and how it is split:
+Pure functions, no process groups. The mapping is one table (`entries`), built on the neutral tensor list of
+nemo_grpo/models/spec.py: each HF tensor names the pipeline stage that owns it, the Megatron parameter
+(stage-local name) that holds it and how it is split:
   copy   replicated over TP                          (norms, Qwen3 q/k norms, the scalar head)
   col    split along dim 1                           (o_proj -> linear_proj, down_proj -> linear_fc2)
   vocab  rows padded to the TP-divisible vocabulary, then split along dim 0 (embeddings, lm_head)
@@ -18,35 +19,11 @@ from typing import Callable
 
 import torch
 
-CAUSAL_LM = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-SEQ_CLS = {"LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2",
-           "Qwen3ForSequenceClassification": "qwen3"}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the Megatron model needs from an HF config (a decoder of one of the supported families)."""
-    family: str  # llama | qwen2 | qwen3
-    num_layers: int
-    hidden: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    padded_vocab: int  # vocab rounded up to a multiple of tp (padded logits are masked out)
-    qkv_bias: bool
-    qk_norm: bool
-    tied: bool
-    scalar_head: bool
-    rope_theta: float
-    eps: float
-    max_positions: int
-    transformer_engine: bool = False  # TE layer spec: the pre-attention / pre-MLP norms live in the fused linears
-
+from nemo_grpo.models.spec import HFTensor, ModelSpec, hf_tensors, pipeline_stage
 
 @dataclass(frozen=True)
 class Entry:
+    """An HF tensor (spec.HFTensor) placed on Megatron: its pipeline stage and the stage-local parameter."""
     hf: str
     shape: tuple
     stage: int
@@ -54,87 +31,44 @@ class Entry:
     kind: str
 
 
-def _rope_theta(cfg, strict: bool = True) -> float:
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if strict and kind not in (None, "default"):
-        raise ValueError(f"megatron back end: rope_type '{kind}' is not supported (only default RoPE)")
-    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+# HF name inside a decoder layer -> the Megatron parameter holding it, inside decoder.layers.<local>.
+_LAYER_PARAMS = {
+    "self_attn.q_proj.weight": "self_attention.linear_qkv.weight",
+    "self_attn.k_proj.weight": "self_attention.linear_qkv.weight",
+    "self_attn.v_proj.weight": "self_attention.linear_qkv.weight",
+    "self_attn.q_proj.bias": "self_attention.linear_qkv.bias",
+    "self_attn.k_proj.bias": "self_attention.linear_qkv.bias",
+    "self_attn.v_proj.bias": "self_attention.linear_qkv.bias",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+    "mlp.gate_proj.weight": "mlp.linear_fc1.weight",
+    "mlp.up_proj.weight": "mlp.linear_fc1.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+}
+# Transformer Engine's layer spec keeps the pre-attention / pre-MLP norms inside the fused linears
+_TE_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_OUTER_PARAMS = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
+                 "model.norm.weight": "decoder.final_layernorm.weight",
+                 "score.weight": "output_layer.weight", "lm_head.weight": "output_layer.weight"}
 
 
-def model_spec(cfg, tp: int = 1, pp: int = 1, scalar_head: bool = False,
-               transformer_engine: bool = False, any_rope: bool = False,
-               layout_key: str = "policy.megatron_cfg") -> ModelSpec:
-    """HF config -> ModelSpec; raises ValueError naming an unknown architecture or a size tp/pp cannot split
-    (the sizes named under layout_key). any_rope: accept RoPE scalings the Megatron back end cannot build (for
-    sizing a model only)."""
-    arch = (getattr(cfg, "architectures", None) or ["?"])[0]
-    family = CAUSAL_LM.get(arch) or SEQ_CLS.get(arch) or {"llama": "llama", "qwen2": "qwen2",
-                                                           "qwen3": "qwen3"}.get(getattr(cfg, "model_type", ""))
-    if family is None:
-        raise ValueError(f"megatron back end: architecture '{arch}' (model_type '{getattr(cfg, 'model_type', '?')}') "
-                         f"is not supported; known: {', '.join(sorted(CAUSAL_LM) + sorted(SEQ_CLS))}")
-    if family != "qwen2" and getattr(cfg, "attention_bias", False):
-        raise ValueError(f"megatron back end: {arch} with attention_bias=True (an o_proj bias) is not supported")
-    if getattr(cfg, "mlp_bias", False) or getattr(cfg, "use_sliding_window", False):
-        raise ValueError(f"megatron back end: {arch} with mlp_bias or sliding-window attention is not supported")
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    sizes = {"num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": cfg.intermediate_size}
-    bad = {k: v for k, v in sizes.items() if v % tp}
-    if bad:
-        raise ValueError(f"{layout_key}.tensor_model_parallel_size={tp} does not divide the model's "
-                         + ", ".join(f"{k}={v}" for k, v in bad.items()))
-    if cfg.num_hidden_layers % pp:
-        raise ValueError(f"{layout_key}.pipeline_model_parallel_size={pp} does not divide the model's "
-                         f"num_hidden_layers={cfg.num_hidden_layers}")
-    return ModelSpec(
-        family=family, num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ffn=cfg.intermediate_size,
-        heads=heads, kv_heads=kv, head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-        vocab=cfg.vocab_size, padded_vocab=-(-cfg.vocab_size // tp) * tp, qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3", tied=bool(getattr(cfg, "tie_word_embeddings", False)) and not scalar_head,
-        scalar_head=scalar_head, rope_theta=_rope_theta(cfg, strict=not any_rope), eps=cfg.rms_norm_eps,
-        max_positions=cfg.max_position_embeddings, transformer_engine=transformer_engine)
-
-
-def _layer_entries(s: ModelSpec, g: int, stage: int, local: int) -> list[Entry]:
-    h, m = f"model.layers.{g}.", f"decoder.layers.{local}."
-    q, kvd = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    att, mlp = m + "self_attention.", m + "mlp."
-    norms = (att + "linear_qkv.layer_norm_weight", mlp + "linear_fc1.layer_norm_weight") if s.transformer_engine \
-        else (m + "input_layernorm.weight", m + "pre_mlp_layernorm.weight")
-    out = [Entry(h + "self_attn.q_proj.weight", (q, s.hidden), stage, att + "linear_qkv.weight", "q"),
-           Entry(h + "self_attn.k_proj.weight", (kvd, s.hidden), stage, att + "linear_qkv.weight", "k"),
-           Entry(h + "self_attn.v_proj.weight", (kvd, s.hidden), stage, att + "linear_qkv.weight", "v")]
-    if s.qkv_bias:
-        out += [Entry(h + f"self_attn.{x}_proj.bias", (n,), stage, att + "linear_qkv.bias", x)
-                for x, n in (("q", q), ("k", kvd), ("v", kvd))]
-    out.append(Entry(h + "self_attn.o_proj.weight", (s.hidden, q), stage, att + "linear_proj.weight", "col"))
-    if s.qk_norm:
-        out += [Entry(h + "self_attn.q_norm.weight", (s.head_dim,), stage, att + "q_layernorm.weight", "copy"),
-                Entry(h + "self_attn.k_norm.weight", (s.head_dim,), stage, att + "k_layernorm.weight", "copy")]
-    return out + [
-        Entry(h + "mlp.gate_proj.weight", (s.ffn, s.hidden), stage, mlp + "linear_fc1.weight", "gate"),
-        Entry(h + "mlp.up_proj.weight", (s.ffn, s.hidden), stage, mlp + "linear_fc1.weight", "up"),
-        Entry(h + "mlp.down_proj.weight", (s.hidden, s.ffn), stage, mlp + "linear_fc2.weight", "col"),
-        Entry(h + "input_layernorm.weight", (s.hidden,), stage, norms[0], "copy"),
-        Entry(h + "post_attention_layernorm.weight", (s.hidden,), stage, norms[1], "copy")]
+def _mcore_name(t: HFTensor, s: ModelSpec, pp: int) -> str:
+    if t.layer is None:
+        tied_head = t.name == "lm_head.weight" and s.tied
+        return _OUTER_PARAMS["model.embed_tokens.weight" if tied_head else t.name]
+    suffix = t.name.split(".", 3)[3]  # model.layers.<g>.<suffix>
+    local = t.layer % (s.num_layers // pp)
+    param = (_TE_NORMS.get(suffix) if s.transformer_engine else None) or _LAYER_PARAMS[suffix]
+    return f"decoder.layers.{local}.{param}"
 
 
 def entries(s: ModelSpec, pp: int = 1) -> list[Entry]:
     """Every tensor of the HF state_dict (tied lm_head.weight included, read from the embedding), in order."""
-    per, last = s.num_layers // pp, pp - 1
-    out = [Entry("model.embed_tokens.weight", (s.vocab, s.hidden), 0, "embedding.word_embeddings.weight", "vocab")]
-    for g in range(s.num_layers):
-        out += _layer_entries(s, g, g // per, g % per)
-    out.append(Entry("model.norm.weight", (s.hidden,), last, "decoder.final_layernorm.weight", "copy"))
-    if s.scalar_head:
-        out.append(Entry("score.weight", (1, s.hidden), last, "output_layer.weight", "copy"))
-    elif s.tied:
-        out.append(Entry("lm_head.weight", (s.vocab, s.hidden), 0, "embedding.word_embeddings.weight", "vocab"))
-    else:
-        out.append(Entry("lm_head.weight", (s.vocab, s.hidden), last, "output_layer.weight", "vocab"))
-    return out
+    return [Entry(t.name, t.shape, pipeline_stage(t, s, pp), _mcore_name(t, s, pp), t.kind) for t in hf_tensors(s)]
 
 
 SPLIT_DIM = {"col": 1, "vocab": 0, "q": 0, "k": 0, "v": 0, "gate": 0, "up": 0}  # kinds split over TP

@@ -27,10 +27,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from nemo_grpo.backends.base import (PolicyWorker, accumulate, attention_mask_from_lengths, loss_and_metrics,
-                                     pool_last_token)
+from nemo_grpo.backends.batching import attention_mask_from_lengths, pool_last_token
 from nemo_grpo.backends.mcore import shim, weights
-from nemo_grpo.distributed.weight_transfer import TensorSpec
+from nemo_grpo.backends.optimizer import optimizer_class
+from nemo_grpo.backends.worker import PolicyWorker, accumulate, loss_and_metrics
+from nemo_grpo.models.spec import CAUSAL_LM, SEQ_CLS, model_spec
+from nemo_grpo.weights.transfer import TensorSpec
 
 REPLICATED_PARTIAL = ("q_layernorm", "k_layernorm")  # per-head norms: under TP each rank sees its heads only
 
@@ -39,12 +41,6 @@ class MegatronPolicyWorker(PolicyWorker):
     """One rank: the GPTModel chunk of its pipeline stage, sharded over its TP group."""
 
     # ------------------------------------------------------------------------------------------ build
-    @classmethod
-    def check_layout(cls, cfg, world_size: int) -> None:
-        from nemo_grpo.config import validate_megatron_layout
-
-        validate_megatron_layout(cfg, world_size)
-
     def _build_model(self) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
@@ -53,17 +49,16 @@ class MegatronPolicyWorker(PolicyWorker):
         from nemo_grpo.backends.mcore import model as mmodel
 
         m = self.cfg.megatron_cfg
-        self.check_layout(self.cfg, self.world_size)
-        tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+        tp, pp = self.parallel_layout.tp, self.parallel_layout.pp
         shim.apply()
         if m.sequence_parallel and tp > 1:
             shim.allow_sequence_parallel_norm()
         with shim.device_context():
             if not ps.model_parallel_is_initialized():
                 ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-            tensor_parallel.model_parallel_cuda_manual_seed(1234)
+            tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
             self.hf_config = self._hf_config_of(AutoConfig.from_pretrained(self.model_path))
-            self.spec = weights.model_spec(self.hf_config, tp, pp, self.scalar_head,
+            self.spec = model_spec(self.hf_config, tp, pp, self.scalar_head,
                                            transformer_engine=m.layer_spec == "transformer_engine")
             dtype = torch.bfloat16 if self.cfg.precision == "bfloat16" else torch.float32
             self.mconfig = mmodel.transformer_config(self.spec, m, dtype)
@@ -103,8 +98,6 @@ class MegatronPolicyWorker(PolicyWorker):
         from megatron.core import parallel_state as ps
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        from nemo_grpo.backends.base import optimizer_class
-
         cls, kwargs = optimizer_class(self.cfg.optimizer)
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=ps.get_data_parallel_group(),
                                        **kwargs)
@@ -118,8 +111,8 @@ class MegatronPolicyWorker(PolicyWorker):
 
     def _hf_config_of(self, hf_config):
         """The HF config of the model actually built (architecture name matching the head, num_labels=1)."""
-        family = weights.model_spec(hf_config, scalar_head=self.scalar_head).family
-        table = weights.SEQ_CLS if self.scalar_head else weights.CAUSAL_LM
+        family = model_spec(hf_config, scalar_head=self.scalar_head).family
+        table = SEQ_CLS if self.scalar_head else CAUSAL_LM
         hf_config.architectures = [next(a for a, f in table.items() if f == family)]
         if self.scalar_head:
             hf_config.num_labels = 1
@@ -250,8 +243,9 @@ class MegatronPolicyWorker(PolicyWorker):
         if self.dp_size > 1:
             _all_reduce_flat(self._grads(list(self.params)), ps.get_data_parallel_group())
 
-    def _clip_grad_norm(self, max_norm: Optional[float]) -> float:
-        """Global L2 norm over the model-parallel group, each element counted once; clip like torch."""
+    def _grad_norm(self) -> float:
+        """Global L2 norm over the model-parallel group (DP ranks hold the same summed grads), each element
+        counted once: TP-replicated parameters only on TP rank 0, the last stage's tied embedding copy not."""
         from megatron.core import parallel_state as ps
 
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -262,14 +256,10 @@ class MegatronPolicyWorker(PolicyWorker):
             if grad is not None and not duplicate:
                 sq = sq + grad.detach().float().pow(2).sum()
         dist.all_reduce(sq, group=ps.get_model_parallel_group())
-        norm = float(sq.sqrt())
-        if max_norm is not None and norm == norm:
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                for p in self.main.values():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        return norm
+        return float(sq.sqrt())
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.main.values() if p.grad is not None]
 
     # ------------------------------------------------------------------------------------------ weights
     @torch.no_grad()

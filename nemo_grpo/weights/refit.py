@@ -1,10 +1,12 @@
-"""Refit: the policy's weights into the generation engine, in place, in one of NeMo RL's two modes.
+"""Refit, the driver's side: the policy's weights into the generation engine, in place, in one of NeMo RL's two
+modes. The policy workers' side is `weights/sender.py` (WeightSender), the engine workers' `weights/receiver.py`
+(WeightReceiver), the wire `weights/transfer.py`.
 
 colocated (`policy.generation.colocated.enabled=true`): `engine.update_weights(policy.export_weights(mb))`;
   buckets of HF-named full tensors travel through Ray's object store.
 non-colocated (`enabled=false`): the engine is a separate group of actors. Policy rank 0 and the engine's
   workers form a collective group of their own (gloo on CPU, NCCL when every member is on CUDA; see
-  nemo_grpo/distributed/weight_transfer.py), set up at the first refit: policy rank 0 plans the buckets and
+  nemo_grpo/weights/transfer.py), set up at the first refit: policy rank 0 plans the buckets and
   opens the group's store, every engine worker gets the plan (names, shapes, dtypes) once and joins as rank
   1..n. Each refit then: the policy ranks gather a bucket's full tensors collectively (as the export does),
   rank 0 broadcasts it as one flat buffer per dtype, each engine worker receives into buffers of the planned
@@ -13,8 +15,6 @@ non-colocated (`enabled=false`): the engine is a separate group of actors. Polic
 
     refitter = make_refitter(policy, engine, cfg.policy.generation)
     stats = refitter.refit()  # {"seconds", "bytes", "buckets"} (+ "send_seconds": policy rank 0's part)
-
-The engine-worker side of the non-colocated mode is `WeightReceiver`, a mixin of both engines' worker actors.
 """
 
 from __future__ import annotations
@@ -25,13 +25,11 @@ from typing import Iterator, Optional
 
 import torch
 
-from nemo_grpo.distributed import weight_transfer as wt
-from nemo_grpo.distributed.weight_transfer import TensorSpec
+from nemo_grpo.errors import ConfigError
 
 TRANSFER_TIMEOUT_S = 600.0  # joining the transfer group, and each broadcast, fail after this long
 
 
-# ---------------------------------------------------------------------------------------------- driver side
 class ObjectStoreRefitter:
     """Colocated mode: the policy's export buckets, through Ray's object store, into engine.update_weights."""
 
@@ -97,8 +95,6 @@ class CollectiveRefitter:
 
 def check_generation_resources(gen_cfg, on_gpus: bool) -> None:
     """Non-colocated generation on a GPU cluster needs devices of its own, named in the config."""
-    from nemo_grpo.config import ConfigError
-
     res = gen_cfg.colocated.resources
     if on_gpus and (res.gpus_per_node is None or res.num_nodes is None):
         raise ConfigError("config key 'policy.generation.colocated.resources.gpus_per_node': non-colocated "
@@ -114,88 +110,3 @@ def make_refitter(policy, engine, gen_cfg, *, timeout_s: float = TRANSFER_TIMEOU
 
     check_generation_resources(gen_cfg, ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0)
     return CollectiveRefitter(policy, engine, gen_cfg.refit_bucket_size_mb, timeout_s)
-
-
-# ---------------------------------------------------------------------------------------------- engine side
-class WeightReceiver:
-    """Mixin of an engine's worker actor: the receiving end of a CollectiveRefitter.
-
-    The engine worker supplies `load_bucket(bucket)` (HF-named full tensors, loaded in place), and where it
-    needs them `begin_refit()` / `finish_refit()` around a refit's buckets, `_weight_names()` (the names it
-    accepts; None = not known) and `_weight_device()` (where its model lives).
-    """
-
-    _receiver: Optional[dict] = None
-
-    def begin_refit(self) -> None:
-        """Before a refit's first bucket."""
-
-    def finish_refit(self) -> int:
-        """After its last bucket (also after a failed one)."""
-        return 0
-
-    def load_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
-        raise NotImplementedError(f"{type(self).__name__} does not load weight buckets")
-
-    def _weight_names(self) -> Optional[set[str]]:
-        return None
-
-    def _weight_device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def weight_transfer_device(self) -> str:
-        """"cuda" | "cpu": where received weights end up (NCCL is used only when every member says cuda)."""
-        return self._weight_device().type
-
-    def check_weight_names(self, names: list[str]) -> None:
-        known = self._weight_names()
-        unknown = sorted(n for n in names if n not in known) if known is not None else []
-        if unknown:
-            raise KeyError(f"refit: the engine's model has no parameter(s) {unknown[:5]}")
-
-    def join_weight_transfer(self, host: str, port: int, rank: int, world_size: int, backend: str,
-                             plan: list[list[TensorSpec]], timeout_s: float) -> None:
-        """Join the transfer group as `rank`; `plan` is the layout of every refit's buckets, in order."""
-        self.check_weight_names([s.name for bucket in plan for s in bucket])
-        device = self._weight_device() if backend == "nccl" else torch.device("cpu")
-        group = wt.join_group(host, port, rank, world_size, backend, timeout_s)
-        self._receiver = {"group": group, "plan": plan, "device": device}
-
-    def _receive_async(self, index: int) -> tuple[list, list[torch.Tensor]]:
-        bucket = self._receiver["plan"][index]
-        flats = wt.empty_buffers(bucket, self._receiver["device"])
-        return wt.broadcast_async(self._receiver["group"], flats), flats
-
-    def receive_weights(self) -> int:
-        """One refit: receive every bucket of the plan and load it; returns the number of tensors loaded.
-
-        Buffers are fresh per bucket: a loader may keep views of a bucket until a later one completes a
-        layer (vLLM's layerwise reload). After a failed load the remaining buckets are still received (and
-        dropped), so the sender is not left waiting; the error is raised at the end.
-        """
-        if self._receiver is None:
-            raise RuntimeError("receive_weights: not in a weight-transfer group (join_weight_transfer first)")
-        plan = self._receiver["plan"]
-        error: Optional[BaseException] = None
-        loaded = 0
-        try:
-            self.begin_refit()
-        except Exception as e:
-            error = e
-        try:
-            incoming = self._receive_async(0) if plan else None
-            for index, bucket in enumerate(plan):
-                works, flats = incoming
-                wt.wait(works)
-                if index + 1 < len(plan):  # bucket i + 1 arrives while bucket i is loaded
-                    incoming = self._receive_async(index + 1)
-                if error is None:
-                    try:
-                        loaded += self.load_bucket(wt.unpack(flats, bucket))
-                    except Exception as e:  # keep the protocol in step; report after the last bucket
-                        error = e
-        finally:
-            self.finish_refit()
-        if error is not None:
-            raise error
-        return loaded

@@ -1,4 +1,5 @@
-"""Weights over a collective group of their own: the trainer (rank 0) broadcasts to generation workers (1..n).
+"""The wire of a refit: bucket plans, and weights over a collective group of their own, from the trainer
+(rank 0) to generation workers (1..n).
 
 The group is built directly from a `TCPStore` and a `ProcessGroupGloo` / `ProcessGroupNCCL` (what vLLM's
 `stateless_init_torch_distributed_process_group` does), so it is independent of any default process group: the
@@ -50,6 +51,20 @@ class TensorSpec:
 
 def plan_nbytes(plan: list[list[TensorSpec]]) -> int:
     return sum(s.nbytes for bucket in plan for s in bucket)
+
+
+def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: float) -> list[list[str]]:
+    """Group (name, nbytes) in order into buckets of at most bucket_bytes (always >= 1 tensor per bucket)."""
+    buckets, current, used = [], [], 0
+    for name, nbytes in sizes:
+        if current and used + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 # ---------------------------------------------------------------------------------------------- the group

@@ -1,0 +1,68 @@
+"""Batches of the driver <-> worker data contract: pure functions over dicts of per-sample tensors.
+
+A batch is a dict with the samples along dim 0: input_ids [B, T] long, right-padded; input_lengths [B] long
+(the attention mask is derived from it); for training also token_mask [B, T], sample_mask [B], advantages
+[B, T], prev_logprobs [B, T], generation_logprobs [B, T], optionally reference_policy_logprobs [B, T]. Any other
+key (tensor or list with B entries) reaches the loss unchanged, sliced along dim 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def batch_size_of(batch: dict[str, Any]) -> int:
+    return int(batch["input_ids"].shape[0])
+
+
+def slice_batch(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+    """Rows [start, stop) of every per-sample entry (tensors and lists with B entries); other values as-is."""
+    n = batch_size_of(batch)
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
+            out[key] = value[start:stop]
+        elif isinstance(value, (list, tuple)) and len(value) == n:
+            out[key] = value[start:stop]
+        else:
+            out[key] = value
+    return out
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """n rows into `parts` contiguous shards as even as possible (the first n % parts get one more)."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def attention_mask_from_lengths(input_lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[B] lengths -> [B, seq_len] long mask, 1 on the first input_lengths[i] positions (right padding)."""
+    return (torch.arange(seq_len, device=input_lengths.device)[None, :] < input_lengths[:, None]).long()
+
+
+def trimmed_inputs(mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Drop the padding columns no row of a micro-batch uses: (input_ids [b, t], mask [b, t], the full T)."""
+    ids, lengths = mb["input_ids"], mb["input_lengths"]
+    full_t = ids.shape[1]
+    t = max(1, min(full_t, int(lengths.max()))) if lengths.numel() else 1
+    return ids[:, :t], attention_mask_from_lengths(lengths, t), full_t
+
+
+def token_logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                               temperature: float = 1.0) -> torch.Tensor:
+    """logits [B, T, V] (full vocabulary), input_ids [B, T], attention_mask [B, T] -> logprobs [B, T].
+
+    logprobs[:, t] = log_softmax(logits[:, t - 1] / temperature)[input_ids[:, t]]; column 0 and padding are 0.
+    """
+    scaled = logits[:, :-1].float() / temperature  # [B, T-1, V]
+    target = input_ids[:, 1:, None]  # [B, T-1, 1]
+    lp = scaled.gather(-1, target).squeeze(-1) - torch.logsumexp(scaled, dim=-1)  # [B, T-1]
+    lp = torch.where(attention_mask[:, 1:].bool(), lp, torch.zeros_like(lp))
+    return torch.nn.functional.pad(lp, (1, 0))  # [B, T]
+
+
+def pool_last_token(out: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
+    """Scalar-head output [b, s, 1] -> [b], taken at each row's last real token (input_lengths - 1)."""
+    rows = torch.arange(out.shape[0], device=out.device)
+    return out[rows, (input_lengths.to(out.device) - 1).clamp(min=0), 0]

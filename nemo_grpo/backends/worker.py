@@ -1,0 +1,295 @@
+"""`PolicyWorker`: one rank of a policy. The step sequence and the data contract live here, once.
+
+Data contract (driver <-> worker): batches as in nemo_grpo/backends/batching.py.
+Log-probs: logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) from logits / generation.temperature;
+  column 0 and padding positions are 0.
+Loss: `loss, metrics = loss_fn(logprobs [b, T], mb, global_valid_seqs, global_valid_toks)` (scalar-head models:
+  scores [b] in place of the log-probs, e.g. the Bradley-Terry loss); the normalizers
+  count the whole global batch (all micro-batches and data-parallel ranks); the loss and every metric are
+  additive contributions, so the sum over micro-batches and ranks is the global value. The worker
+  backpropagates the contribution as-is; a back end makes its data-parallel reduction a sum, not a mean.
+
+A back end subclasses PolicyWorker and supplies only what differs: building and parallelizing the model
+(`_build_model`), the forward pass to log-probs / scores, gradient finishing, the global gradient norm and the
+local gradients, the local weight tensors, the full-weight export (`_export_specs`, `_export_tensors`, whose
+consumers are nemo_grpo/weights/sender.py's) and the checkpoint format. The optimizer, its schedule and the
+clipping rule are nemo_grpo/backends/optimizer.py's; per-rank checkpoint state is checkpoint_state.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import Any, Iterator, Optional
+
+import torch
+
+from nemo_grpo.backends import checkpoint_state
+from nemo_grpo.backends.batching import batch_size_of, slice_batch, trimmed_inputs
+from nemo_grpo.backends.optimizer import build_optimizer, clip_coefficient, lr_warmup_factor
+from nemo_grpo.layout import ParallelLayout, policy_layout
+from nemo_grpo.weights.sender import WeightSender
+from nemo_grpo.weights.transfer import TensorSpec
+
+
+def _as_float(value) -> float:
+    return float(value.detach().float().sum()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def loss_and_metrics(loss_fn, logprobs: torch.Tensor, mb: dict[str, Any], gvs: torch.Tensor,
+                     gvt: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    """loss_fn on one micro-batch: (loss contribution, its metrics with "loss" added unless the loss fn set it)."""
+    loss, metrics = loss_fn(logprobs, mb, gvs, gvt)
+    metrics = dict(metrics)
+    metrics.setdefault("loss", loss)
+    return loss, metrics
+
+
+def accumulate(totals: dict[str, float], metrics: dict[str, Any]) -> None:
+    """totals[k] += float(metrics[k]) for every metric (in place)."""
+    for k, v in metrics.items():
+        totals[k] = totals.get(k, 0.0) + _as_float(v)
+
+
+# ---------------------------------------------------------------------------------------------- the worker
+class PolicyWorker(WeightSender, ABC):
+    """One rank of a policy (a Ray actor started by WorkerGroup; the process group exists before the model).
+
+    self.parallel_layout is the validated (dp, tp, pp, cp) layout. Subclasses set in `_build_model`:
+    self.model, self.dp_rank, self.dp_size, self.output_rank (this rank returns the results of its data-parallel
+    group) and, for tied weights, self.tied_aliases.
+    """
+
+    def __init__(self, cfg, model_path: str, *, scalar_head: bool = False, init_reference: bool = False,
+                 seed: int = 0):
+        import torch.distributed as dist
+
+        from nemo_grpo.distributed.worker_group import init_torch_distributed
+
+        self.cfg, self.model_path, self.scalar_head, self.seed = cfg, model_path, scalar_head, seed
+        self.device = init_torch_distributed()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.parallel_layout: ParallelLayout = policy_layout(cfg, self.world_size)
+        torch.manual_seed(seed)
+        self._build_model()
+        self.optimizer = self._make_optimizer([p for p in self.model.parameters() if p.requires_grad])
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lr_warmup_factor(cfg.optimizer.warmup_steps))
+        self.reference: Optional[dict[str, torch.Tensor]] = None
+        if init_reference:  # the initial weights: a CPU copy of this rank's local shards
+            self.reference = {n: t.detach().to("cpu", copy=True) for n, t in self._local_weights().items()}
+        self._init_weight_sender()
+
+    # ------------------------------------------------------------------------------------------ back end
+    @abstractmethod
+    def _build_model(self) -> None:
+        """Load, parallelize and place the model; set model, dp_rank, dp_size, output_rank."""
+
+    @abstractmethod
+    def _logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """input_ids, attention_mask [b, t] on device -> per-token log-probs [b, t] (contract above)."""
+
+    @abstractmethod
+    def _scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                input_lengths: torch.Tensor) -> torch.Tensor:
+        """[b, t] -> the scalar head's output at the last real token (input_lengths - 1), [b]."""
+
+    @abstractmethod
+    def _grad_norm(self) -> float:
+        """Collective: the global L2 norm of the gradients the optimizer steps, each element counted once."""
+
+    @abstractmethod
+    def _local_grads(self) -> list[torch.Tensor]:
+        """This rank's local gradient tensors of what the optimizer steps (scaled in place when clipping)."""
+
+    @abstractmethod
+    def _local_weights(self) -> dict[str, torch.Tensor]:
+        """name -> this rank's local tensor aliasing the live parameter (for reference swaps)."""
+
+    @abstractmethod
+    def _export_specs(self) -> list[TensorSpec]:
+        """(HF name, full shape, dtype) of every tensor of the HF state_dict, in order; same on all ranks."""
+
+    @abstractmethod
+    def _export_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Collective: full CPU tensors for `names` (meaningful on rank 0)."""
+
+    @abstractmethod
+    def save_checkpoint(self, path: str) -> None:
+        """Collective: model + optimizer + scheduler + RNG state of every rank under `path`."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: str) -> None:
+        """Collective: restore what save_checkpoint wrote."""
+
+    def _make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer over this rank's trainable parameters (policy.optimizer)."""
+        return build_optimizer(params, self.cfg.optimizer)
+
+    def _after_optimizer_step(self) -> None:
+        """Hook right after optimizer.step() (e.g. copy fp32 master weights into low-precision parameters)."""
+
+    def _hf_config(self):
+        """The transformers config of the model actually built (architecture, num_labels), saved with it."""
+        return self.model.config
+
+    def _finish_gradients(self) -> None:
+        """Hook after the last backward of a step (e.g. reduce gradients a parallelism leaves partial)."""
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        """Before a micro-batch's backward: False lets the back end defer its data-parallel gradient reduction
+        (the last micro-batch of a step always has it True)."""
+
+    def offload(self) -> None:
+        """Move model, optimizer parameters (e.g. fp32 masters) and optimizer state off the accelerator (no-op
+        on CPU), e.g. while a colocated engine generates."""
+        if self.device.type == "cuda":
+            self._move(torch.device("cpu"))
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Bring them back (no-op on CPU)."""
+        if self.device.type == "cuda":
+            self._move(self.device)
+
+    @property
+    def _local_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer that holds this rank's state: itself, or the local one of a sharded (ZeRO) wrapper."""
+        return getattr(self.optimizer, "optim", self.optimizer)
+
+    def _move(self, device: torch.device) -> None:
+        self.model.to(device)
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.data = p.data.to(device)
+        for state in self._local_optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    state[k] = v.to(device)
+
+    # ------------------------------------------------------------------------------------------ checkpoint helpers
+    def _save_rank_state(self, path: str, **extra: Any) -> None:
+        checkpoint_state.save_rank_state(path, self.rank, self.scheduler, **extra)
+
+    def _load_rank_state(self, path: str) -> dict[str, Any]:
+        return checkpoint_state.load_rank_state(path, self.rank)
+
+    def _restore_schedule_and_rng(self, state: dict[str, Any]) -> None:
+        checkpoint_state.restore_schedule_and_rng(state, self.scheduler, self.optimizer)
+
+    # ------------------------------------------------------------------------------------------ driver API
+    def layout(self) -> dict[str, Any]:
+        """Where this rank sits: rank, dp_rank, dp_size, output_rank (1 if it returns its DP group's results),
+        and what it runs on: device ("cuda:0" | "cpu") and dist_backend ("nccl" | "gloo")."""
+        import torch.distributed as dist
+
+        return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
+                "output_rank": int(self.output_rank), "device": str(self.device), "dist_backend": dist.get_backend()}
+
+    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def _forward_logprobs(self, mb: dict[str, Any]) -> torch.Tensor:
+        """Micro-batch on device -> logprobs [b, T] (grad follows the caller's mode)."""
+        ids, mask, full_t = trimmed_inputs(mb)
+        lp = self._logprobs(ids, mask)  # [b, t]
+        return torch.nn.functional.pad(lp, (0, full_t - lp.shape[1]))
+
+    def _train_output(self, mb: dict[str, Any]) -> torch.Tensor:
+        """Micro-batch on device -> what the loss takes: log-probs [b, T] of a causal LM, or the scalar head's
+        scores [b] (reward-model training)."""
+        if self.scalar_head:
+            ids, mask, _ = trimmed_inputs(mb)
+            return self._scores(ids, mask, mb["input_lengths"]).float()
+        return self._forward_logprobs(mb)
+
+    @torch.no_grad()
+    def _chunked(self, data: dict[str, Any], fn) -> Optional[torch.Tensor]:
+        """Run fn over chunks of policy.logprob_batch_size rows in eval mode; the concatenation on output ranks."""
+        self.model.eval()
+        n, size = batch_size_of(data), self.cfg.logprob_batch_size
+        outs = [fn(self._to_device(slice_batch(data, s, min(s + size, n)))).cpu() for s in range(0, n, size)]
+        return torch.cat(outs) if self.output_rank else None
+
+    def get_logprobs(self, data: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """This DP rank's rows (input_ids, input_lengths) -> logprobs [b, T] (None on non-output ranks)."""
+        return self._chunked(data, self._forward_logprobs)
+
+    def get_reference_logprobs(self, data: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """Like get_logprobs, with the initial weights swapped in for the forward and swapped back after."""
+        if self.reference is None:
+            raise RuntimeError("get_reference_logprobs: this policy was built with init_reference=False")
+        with self._reference_weights():
+            return self.get_logprobs(data)
+
+    def score(self, data: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """This DP rank's rows -> scalar-head scores [b] at the last real token (None on non-output ranks)."""
+        if not self.scalar_head:
+            raise RuntimeError("score: this policy has no scalar head (build it with scalar_head=True)")
+
+        def fn(mb):
+            ids, mask, _ = trimmed_inputs(mb)
+            return self._scores(ids, mask, mb["input_lengths"]).float()
+
+        return self._chunked(data, fn)
+
+    @contextlib.contextmanager
+    def _reference_weights(self) -> Iterator[None]:
+        live = self._local_weights()
+        saved = {n: t.detach().to("cpu", copy=True) for n, t in live.items()}
+        with torch.no_grad():
+            for n, t in live.items():
+                t.copy_(self.reference[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, t in live.items():
+                    t.copy_(saved[n])
+
+    # ------------------------------------------------------------------------------------------ training
+    def train(self, steps: list[dict[str, Any]], loss_fn) -> list[dict[str, float]]:
+        """One optimizer step per entry {"data": this rank's rows, "global_valid_seqs", "global_valid_toks"}.
+
+        Returns per step: the loss-fn metrics (and "loss") summed over this rank's micro-batches, plus
+        "grad_norm" (global, pre-clip) and "lr" (the rate the step used).
+        """
+        self.model.train()
+        return [self._train_step(s["data"], loss_fn, s["global_valid_seqs"], s["global_valid_toks"]) for s in steps]
+
+    def _train_step(self, data: dict[str, Any], loss_fn, global_valid_seqs, global_valid_toks) -> dict[str, float]:
+        """zero_grad -> forward/backward over micro-batches -> finish grads -> clip -> step; written once.
+        A non-finite gradient norm skips the optimizer and scheduler step ("skipped_steps": 1)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        n, size = batch_size_of(data), self.cfg.train_micro_batch_size
+        gvs = torch.as_tensor(global_valid_seqs, dtype=torch.float32, device=self.device)
+        gvt = torch.as_tensor(global_valid_toks, dtype=torch.float32, device=self.device)
+        micro_batches = [slice_batch(data, s, min(s + size, n)) for s in range(0, n, size)]
+        totals = self._forward_backward(micro_batches, loss_fn, gvs, gvt)
+        self._finish_gradients()
+        grad_norm = self._grad_norm()
+        coef = clip_coefficient(grad_norm, self.cfg.max_grad_norm)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if coef is not None:
+            if coef < 1.0:
+                with torch.no_grad():
+                    torch._foreach_mul_(self._local_grads(), coef)
+            self.optimizer.step()
+            self._after_optimizer_step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {**totals, "grad_norm": grad_norm, "lr": lr, "skipped_steps": float(coef is None)}
+
+    def _forward_backward(self, micro_batches: list[dict[str, Any]], loss_fn, gvs: torch.Tensor,
+                          gvt: torch.Tensor) -> dict[str, float]:
+        """Forward + backward of every micro-batch (CPU rows, sliced from this rank's data); returns the loss-fn
+        metrics (and "loss") summed over them. A back end whose forward is a pipeline schedule overrides this
+        loop and calls `loss_and_metrics` from its schedule's loss closure."""
+        totals: dict[str, float] = {}
+        for i, mb in enumerate(micro_batches):
+            mb = self._to_device(mb)
+            self._set_gradient_sync(i == len(micro_batches) - 1)
+            loss, metrics = loss_and_metrics(loss_fn, self._train_output(mb), mb, gvs, gvt)
+            loss.backward()
+            accumulate(totals, metrics)
+        return totals

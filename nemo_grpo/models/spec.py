@@ -1,0 +1,135 @@
+"""`ModelSpec`: the back-end-neutral description of a decoder (Llama / Qwen2 / Qwen3 families) and its tensors.
+
+Both back ends and the memory planner read a model through it: `model_spec(hf_config, tp, pp)` checks that
+the family is supported and that the layout splits its sizes; `hf_tensors(spec)` lists the HF state_dict with
+how tensor parallelism splits each tensor, and `pipeline_stage` where a pipeline puts it. The Megatron back
+end maps these names onto its own parameters (backends/mcore/weights.py); the planner counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+CAUSAL_LM = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+SEQ_CLS = {"LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2",
+           "Qwen3ForSequenceClassification": "qwen3"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder of one of the supported families, as both back ends and the planner see it (from its HF config)."""
+    family: str  # llama | qwen2 | qwen3
+    num_layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    padded_vocab: int  # vocab rounded up to a multiple of tp (padded logits are masked out)
+    qkv_bias: bool
+    qk_norm: bool
+    tied: bool
+    scalar_head: bool
+    rope_theta: float
+    eps: float
+    max_positions: int
+    transformer_engine: bool = False  # Megatron's TE layer spec: the pre-attention / pre-MLP norms live in the fused linears
+
+
+def _rope_theta(cfg, strict: bool = True) -> float:
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if strict and kind not in (None, "default"):
+        raise ValueError(f"megatron back end: rope_type '{kind}' is not supported (only default RoPE)")
+    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
+def model_spec(cfg, tp: int = 1, pp: int = 1, scalar_head: bool = False,
+               transformer_engine: bool = False, any_rope: bool = False,
+               layout_key: str = "policy.megatron_cfg") -> ModelSpec:
+    """HF config -> ModelSpec; raises ValueError naming an unknown architecture or a size tp/pp cannot split
+    (the sizes named under layout_key). any_rope: accept RoPE scalings the Megatron back end cannot build (the
+    DTensor back end runs them; the planner sizes them)."""
+    arch = (getattr(cfg, "architectures", None) or ["?"])[0]
+    family = CAUSAL_LM.get(arch) or SEQ_CLS.get(arch) or {"llama": "llama", "qwen2": "qwen2",
+                                                           "qwen3": "qwen3"}.get(getattr(cfg, "model_type", ""))
+    if family is None:
+        raise ValueError(f"architecture '{arch}' (model_type '{getattr(cfg, 'model_type', '?')}') "
+                         f"is not supported; known: {', '.join(sorted(CAUSAL_LM) + sorted(SEQ_CLS))}")
+    if family != "qwen2" and getattr(cfg, "attention_bias", False):
+        raise ValueError(f"{arch} with attention_bias=True (an o_proj bias) is not supported")
+    if getattr(cfg, "mlp_bias", False) or getattr(cfg, "use_sliding_window", False):
+        raise ValueError(f"{arch} with mlp_bias or sliding-window attention is not supported")
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    sizes = {"num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": cfg.intermediate_size}
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        raise ValueError(f"{layout_key}.tensor_model_parallel_size={tp} does not divide the model's "
+                         + ", ".join(f"{k}={v}" for k, v in bad.items()))
+    if cfg.num_hidden_layers % pp:
+        raise ValueError(f"{layout_key}.pipeline_model_parallel_size={pp} does not divide the model's "
+                         f"num_hidden_layers={cfg.num_hidden_layers}")
+    return ModelSpec(
+        family=family, num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ffn=cfg.intermediate_size,
+        heads=heads, kv_heads=kv, head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        vocab=cfg.vocab_size, padded_vocab=-(-cfg.vocab_size // tp) * tp, qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3", tied=bool(getattr(cfg, "tie_word_embeddings", False)) and not scalar_head,
+        scalar_head=scalar_head, rope_theta=_rope_theta(cfg, strict=not any_rope), eps=cfg.rms_norm_eps,
+        max_positions=cfg.max_position_embeddings, transformer_engine=transformer_engine)
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One tensor of the HF state_dict: its name, full shape, decoder layer (None outside the layers) and kind,
+    which says how tensor parallelism splits it:
+      copy     replicated (norms, Qwen3 q/k norms, the scalar head)
+      col      split along dim 1 (o_proj, down_proj)
+      vocab    rows padded to the TP-divisible vocabulary, split along dim 0 (embeddings, lm_head)
+      q k v gate up   split along dim 0 (Megatron fuses q/k/v and gate/up; see backends/mcore/weights.py)"""
+    name: str
+    shape: tuple
+    layer: Optional[int]
+    kind: str
+
+
+def _layer_tensors(s: ModelSpec, g: int) -> list[HFTensor]:
+    h = f"model.layers.{g}."
+    q, kvd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    out = [HFTensor(h + f"self_attn.{x}_proj.weight", (n, s.hidden), g, x) for x, n in (("q", q), ("k", kvd), ("v", kvd))]
+    if s.qkv_bias:
+        out += [HFTensor(h + f"self_attn.{x}_proj.bias", (n,), g, x) for x, n in (("q", q), ("k", kvd), ("v", kvd))]
+    out.append(HFTensor(h + "self_attn.o_proj.weight", (s.hidden, q), g, "col"))
+    if s.qk_norm:
+        out += [HFTensor(h + f"self_attn.{x}_norm.weight", (s.head_dim,), g, "copy") for x in ("q", "k")]
+    return out + [
+        HFTensor(h + "mlp.gate_proj.weight", (s.ffn, s.hidden), g, "gate"),
+        HFTensor(h + "mlp.up_proj.weight", (s.ffn, s.hidden), g, "up"),
+        HFTensor(h + "mlp.down_proj.weight", (s.hidden, s.ffn), g, "col"),
+        HFTensor(h + "input_layernorm.weight", (s.hidden,), g, "copy"),
+        HFTensor(h + "post_attention_layernorm.weight", (s.hidden,), g, "copy")]
+
+
+def hf_tensors(s: ModelSpec) -> list[HFTensor]:
+    """Every tensor of the HF state_dict in order (a tied lm_head.weight included: it aliases the embedding)."""
+    out = [HFTensor("model.embed_tokens.weight", (s.vocab, s.hidden), None, "vocab")]
+    for g in range(s.num_layers):
+        out += _layer_tensors(s, g)
+    out.append(HFTensor("model.norm.weight", (s.hidden,), None, "copy"))
+    if s.scalar_head:
+        out.append(HFTensor("score.weight", (1, s.hidden), None, "copy"))
+    else:
+        out.append(HFTensor("lm_head.weight", (s.vocab, s.hidden), None, "vocab"))
+    return out
+
+
+def pipeline_stage(t: HFTensor, s: ModelSpec, pp: int) -> int:
+    """The stage holding tensor t when pp stages split the layers evenly: the embedding (and a tied lm_head,
+    which is the embedding) on the first, the final norm and an untied head on the last."""
+    if t.layer is not None:
+        return t.layer // (s.num_layers // pp)
+    if t.name == "model.embed_tokens.weight" or (t.name == "lm_head.weight" and s.tied):
+        return 0
+    return pp - 1

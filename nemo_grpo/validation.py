@@ -1,0 +1,281 @@
+"""Cross-field validation of a run's config, and the validated loaders the entry points use.
+
+It sits above the rooms it consults (the back-end and environment registries, the resource plan, the
+parallel layout), so config.py below stays schema and loading only. Every rule raises a ConfigError naming
+the key, before anything is built:
+
+    cfg = load_config("configs/grpo_tiny_cpu.yaml", ["grpo.max_num_steps=50"])   # MasterConfig, validated
+    cfg = load_config(path, overrides, files=False)          # planning before models or data are downloaded
+    cfg = load_rm_train_config(path, overrides)              # RMTrainConfig (python -m nemo_grpo.train_rm)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, Optional
+
+from nemo_grpo.config import (BUILTIN_MODEL_PREFIX, DatasetConfig, LossConfig, MasterConfig, PolicyConfig,
+                              RewardModelEnvConfig, RMEvalConfig, RMTrainConfig, read_config)
+from nemo_grpo.errors import ConfigError
+from nemo_grpo.layout import ParallelLayout, check_inactive_degrees, policy_layout
+
+PRECISIONS = ["float32", "bfloat16"]
+
+
+# ----------------------------------------------------------------------------------------------- loaders
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, files: bool = True) -> MasterConfig:
+    """A GRPO run's config: recipe + overrides, typed and validated. files=False skips checking that model
+    directories and prompt files exist (planning before a download)."""
+    cfg = read_config(path, overrides)
+    validate(cfg, files)
+    return cfg
+
+
+def load_rm_train_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> RMTrainConfig:
+    cfg = read_config(path, overrides, schema=RMTrainConfig)
+    validate_rm_train(cfg)
+    return cfg
+
+
+def load_rm_eval_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> RMEvalConfig:
+    cfg = read_config(path, overrides, schema=RMEvalConfig)
+    _need(bool(cfg.data_path), "data_path", "is required: a JSONL of preference pairs, or builtin:addition")
+    _need_data_file(cfg.data_path, "data_path")
+    r = cfg.reward_model.resources
+    world = (r.gpus_per_node or 1) * (r.num_nodes or 1)
+    _validate_reward_model(cfg.reward_model, world, files=True, prefix="reward_model")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------- small rules
+def _need(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}': {msg}")
+
+
+def _choice(value: Any, key: str, allowed) -> None:
+    _need(value in allowed, key, f"got {value!r}; allowed: {', '.join(map(str, allowed))}")
+
+
+def _positive(value, key: str, nullable: bool = False) -> None:
+    _need((nullable and value is None) or (value is not None and value > 0), key,
+          f"must be > 0{' or null' if nullable else ''}, got {value}")
+
+
+def _need_model_dir(path: str, key: str, what: str) -> None:
+    _need(path.startswith(BUILTIN_MODEL_PREFIX) or os.path.isdir(path), key,
+          f"'{path}' is not a local directory ({what})")
+
+
+def _need_data_file(path: Optional[str], key: str) -> None:
+    _need(path is None or path.startswith(BUILTIN_MODEL_PREFIX) or os.path.isfile(path), key,
+          f"file not found: '{path}'")
+
+
+# ----------------------------------------------------------------------------------------------- GRPO runs
+def world_size(cfg: MasterConfig) -> int:
+    """The policy's devices (worker processes on a CPU): the cluster less what the resource plan gives the
+    reward model and non-colocated generation (nemo_grpo/distributed/resource_plan.py)."""
+    from nemo_grpo.distributed.resource_plan import plan_resources
+
+    return plan_resources(cfg).placements["policy"].world_size
+
+
+def layout_of(cfg: MasterConfig) -> ParallelLayout:
+    """The policy's parallel layout on its share of the resource plan (ConfigError naming the key)."""
+    c = cfg.cluster
+    world = world_size(cfg)
+    return policy_layout(cfg.policy, world, where=f"world size {world} (the policy's devices of "
+                         f"cluster.gpus_per_node {c.gpus_per_node} x cluster.num_nodes {c.num_nodes})")
+
+
+def data_parallel_size(cfg: MasterConfig) -> int:
+    return layout_of(cfg).dp
+
+
+def validate(cfg: MasterConfig, files: bool = True) -> None:
+    """Cross-field checks; raises ConfigError naming the key. Runs before anything is built."""
+    _validate_grpo(cfg)
+    _validate_cluster(cfg)
+    validate_policy(cfg.policy, files)
+    total = cfg.data.max_input_seq_length + cfg.policy.generation.max_new_tokens * cfg.grpo.max_rollout_turns
+    _need(total <= cfg.policy.max_total_sequence_length, "policy.max_total_sequence_length",
+          f"{cfg.policy.max_total_sequence_length} < data.max_input_seq_length ({cfg.data.max_input_seq_length}) "
+          f"+ policy.generation.max_new_tokens ({cfg.policy.generation.max_new_tokens}) x "
+          f"grpo.max_rollout_turns ({cfg.grpo.max_rollout_turns}) = {total}")
+    _validate_generation(cfg.policy.generation)
+    _validate_batches(cfg, layout_of(cfg))
+    _validate_loss(cfg.loss_fn)
+    _validate_data_env(cfg, files)
+
+
+def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy") -> None:
+    """The policy section's own values (not its layout, which needs the world size)."""
+    from nemo_grpo.backends import BACKENDS
+
+    _choice(p.backend, f"{prefix}.backend", sorted(BACKENDS))
+    _choice(p.precision, f"{prefix}.precision", PRECISIONS)
+    _choice(p.optimizer.name, f"{prefix}.optimizer.name", ["adamw", "sgd"])
+    _positive(p.optimizer.lr, f"{prefix}.optimizer.lr")
+    _need(p.optimizer.warmup_steps >= 0, f"{prefix}.optimizer.warmup_steps", "must be >= 0")
+    _positive(p.max_grad_norm, f"{prefix}.max_grad_norm", nullable=True)
+    for key in ("train_global_batch_size", "train_micro_batch_size", "logprob_batch_size",
+                "max_total_sequence_length"):
+        _positive(getattr(p, key), f"{prefix}.{key}")
+    if files:
+        _need_model_dir(p.model_name, f"{prefix}.model_name", "a Hugging Face model directory or builtin:tiny-addition")
+    m = p.megatron_cfg
+    check_inactive_degrees(p.dtensor_cfg, m, prefix)
+    if p.backend == "megatron":
+        key = f"{prefix}.megatron_cfg."
+        _need(m.context_parallel_size == 1, key + "context_parallel_size",
+              f"got {m.context_parallel_size}; context parallelism is not built yet: only 1 is supported")
+        _choice(m.layer_spec, key + "layer_spec", ["local", "transformer_engine"])
+        _need(m.layer_spec == "local" or importlib.util.find_spec("transformer_engine") is not None,
+              key + "layer_spec", "transformer_engine needs Transformer Engine installed (the gpu extra); use local")
+
+
+def _validate_generation(g) -> None:
+    key = "policy.generation."
+    _choice(g.backend, key + "backend", ["torch", "vllm"])
+    _positive(g.temperature, key + "temperature")
+    _need(0 < g.top_p <= 1, key + "top_p", f"must be in (0, 1], got {g.top_p}")
+    _positive(g.top_k, key + "top_k", nullable=True)
+    _positive(g.max_new_tokens, key + "max_new_tokens")
+    _positive(g.refit_bucket_size_mb, key + "refit_bucket_size_mb")
+    _positive(g.vllm_cfg.tensor_parallel_size, key + "vllm_cfg.tensor_parallel_size")
+    _need(0 < g.vllm_cfg.gpu_memory_utilization <= 1, key + "vllm_cfg.gpu_memory_utilization",
+          f"must be in (0, 1], got {g.vllm_cfg.gpu_memory_utilization}")
+    for name in ("gpus_per_node", "num_nodes"):  # (on GPUs non-colocated generation needs both: refit.py checks)
+        _positive(getattr(g.colocated.resources, name), f"{key}colocated.resources.{name}", nullable=True)
+
+
+def _validate_cluster(cfg: MasterConfig) -> None:
+    c = cfg.cluster
+    for key in ("gpus_per_node", "num_nodes", "num_threads_per_worker", "gpu_memory_gib"):
+        _positive(getattr(c, key), f"cluster.{key}")
+
+
+def _validate_batches(cfg: MasterConfig, layout: ParallelLayout) -> None:
+    p, g, dp = cfg.policy, cfg.grpo, layout.dp
+    rollout = g.num_prompts_per_step * g.num_generations_per_prompt
+    _need(rollout % p.train_global_batch_size == 0, "policy.train_global_batch_size",
+          f"{p.train_global_batch_size} does not divide the rollout batch grpo.num_prompts_per_step "
+          f"({g.num_prompts_per_step}) x grpo.num_generations_per_prompt ({g.num_generations_per_prompt}) = {rollout}")
+    per_rank = p.train_global_batch_size // dp
+    _need(p.train_global_batch_size % dp == 0, "policy.train_global_batch_size",
+          f"{p.train_global_batch_size} is not divisible by the data-parallel size {dp} ({layout})")
+    _need(per_rank % p.train_micro_batch_size == 0, "policy.train_micro_batch_size",
+          f"{p.train_micro_batch_size} does not divide the per-rank batch train_global_batch_size / "
+          f"data-parallel size = {p.train_global_batch_size} / {dp} = {per_rank}")
+
+
+def _validate_loss(l: LossConfig) -> None:
+    _choice(l.reference_policy_kl_type, "loss_fn.reference_policy_kl_type", ["k1", "k2", "k3"])
+    _need(l.reference_policy_kl_penalty >= 0, "loss_fn.reference_policy_kl_penalty", "must be >= 0")
+    _need(0 <= l.ratio_clip_min < 1, "loss_fn.ratio_clip_min", f"must be in [0, 1), got {l.ratio_clip_min}")
+    _need(l.ratio_clip_max >= 0, "loss_fn.ratio_clip_max", f"must be >= 0, got {l.ratio_clip_max}")
+    _need(l.ratio_clip_c is None or l.ratio_clip_c > 1, "loss_fn.ratio_clip_c",
+          f"dual-clip constant must be > 1 (usually 3) or null, got {l.ratio_clip_c}")
+    _positive(l.truncated_importance_sampling_ratio, "loss_fn.truncated_importance_sampling_ratio", nullable=True)
+    _need(l.truncated_importance_sampling_ratio is None or l.use_importance_sampling_correction,
+          "loss_fn.truncated_importance_sampling_ratio", "needs loss_fn.use_importance_sampling_correction=true")
+
+
+def _validate_grpo(cfg: MasterConfig) -> None:
+    g = cfg.grpo
+    for key in ("num_prompts_per_step", "num_generations_per_prompt", "max_num_steps", "max_num_epochs",
+                "val_batch_size"):
+        _positive(getattr(g, key), f"grpo.{key}")
+    _need(not g.use_leave_one_out_baseline or g.num_generations_per_prompt >= 2, "grpo.use_leave_one_out_baseline",
+          f"the leave-one-out baseline needs grpo.num_generations_per_prompt >= 2, got "
+          f"{g.num_generations_per_prompt}: set grpo.num_generations_per_prompt >= 2, or "
+          f"grpo.use_leave_one_out_baseline=false")
+    _need(g.max_rollout_turns >= 1, "grpo.max_rollout_turns", "must be >= 1")
+    _need(g.val_period >= 0, "grpo.val_period", "must be >= 0 (0 disables)")
+    _need(g.max_val_samples >= 0, "grpo.max_val_samples", "must be >= 0")
+    _need(g.dynamic_sampling_max_gen_batches >= 1, "grpo.dynamic_sampling_max_gen_batches", "must be >= 1")
+    _need(g.batch_multiplier >= 1, "grpo.batch_multiplier", "must be >= 1")
+    r = g.reward_scaling
+    _need(r.source_max > r.source_min, "grpo.reward_scaling.source_max", "must be > source_min")
+    ck = cfg.checkpointing
+    _positive(ck.save_period, "checkpointing.save_period")
+    _positive(ck.keep_top_k, "checkpointing.keep_top_k", nullable=True)
+    _need(cfg.logger.num_val_samples_to_print >= 0, "logger.num_val_samples_to_print", "must be >= 0")
+
+
+def _validate_data_env(cfg: MasterConfig, files: bool) -> None:
+    from nemo_grpo.envs import ENVIRONMENTS
+
+    d = cfg.data
+    _positive(d.max_input_seq_length, "data.max_input_seq_length")
+    for split in ("train", "validation"):
+        ds: Optional[DatasetConfig] = getattr(d, split)
+        if ds is None:
+            continue
+        _choice(ds.env_name, f"data.{split}.env_name", sorted(ENVIRONMENTS))
+        env = getattr(cfg.env, ds.env_name, None)
+        _need(env is not None and getattr(env, "active", True), f"env.{ds.env_name}",
+              f"data.{split}.env_name is '{ds.env_name}' but env.{ds.env_name} is null or disabled")
+        for key in ("prompt_file", "system_prompt_file"):
+            path = getattr(ds, key)
+            _need(path is None or not files or os.path.isfile(path), f"data.{split}.{key}", f"file not found: {path}")
+    rm = cfg.env.reward_model
+    if rm is not None and rm.active:
+        from nemo_grpo.distributed.resource_plan import plan_resources
+
+        _validate_reward_model(rm, plan_resources(cfg).placements["reward_model"].world_size, files)
+    if cfg.env.code is not None:
+        c = cfg.env.code
+        _positive(c.num_workers, "env.code.num_workers")
+        _choice(c.reward_mode, "env.code.reward_mode", ["fraction", "all_or_nothing"])
+        for key in ("timeout_s", "cpu_s", "memory_mb", "max_output_bytes"):
+            _positive(getattr(c, key), f"env.code.{key}")
+    if cfg.env.math is not None:
+        _positive(cfg.env.math.num_workers, "env.math.num_workers")
+        _positive(cfg.env.math.timeout_s, "env.math.timeout_s")
+
+
+def _validate_reward_model(r: RewardModelEnvConfig, world: int, files: bool = True,
+                           prefix: str = "env.reward_model") -> None:
+    """A reward model's section on its `world` devices."""
+    from nemo_grpo.backends import BACKENDS
+
+    key = prefix + "."
+    if files:
+        _need(os.path.isdir(r.model_name), key + "model_name",
+              f"'{r.model_name}' is not a local directory (a Hugging Face *ForSequenceClassification model)")
+    _choice(r.backend, key + "backend", sorted(BACKENDS))
+    _choice(r.precision, key + "precision", PRECISIONS)
+    _choice(r.reward_model_cfg.reward_model_type, key + "reward_model_cfg.reward_model_type", ["bradley_terry"])
+    _positive(r.batch_size, key + "batch_size")
+    _positive(r.max_model_len, key + "max_model_len")
+    check_inactive_degrees(r.dtensor_cfg, r.megatron_cfg, prefix)
+    from nemo_grpo.layout import backend_layout
+
+    backend_layout(r.backend, r.dtensor_cfg, r.megatron_cfg, world, prefix,
+                   where=f"the reward model's {world} devices ({key}resources)")
+
+
+# ----------------------------------------------------------------------------------------------- reward-model training
+def validate_rm_train(cfg: RMTrainConfig) -> None:
+    """Keys, files and batch shapes (whole pairs in every micro-batch and data-parallel shard)."""
+    p = cfg.policy
+    validate_policy(p, files=True)
+    _need(bool(cfg.data.train_data_path), "data.train_data_path", "is required (a JSONL of preference pairs)")
+    _need_data_file(cfg.data.train_data_path, "data.train_data_path")
+    _need_data_file(cfg.data.val_data_path, "data.val_data_path")
+    c = cfg.cluster
+    world = c.gpus_per_node * c.num_nodes
+    dp = policy_layout(p, world, where=f"world size {world} (cluster.gpus_per_node {c.gpus_per_node} x "
+                       f"cluster.num_nodes {c.num_nodes})").dp
+    gbs, mbs = p.train_global_batch_size, p.train_micro_batch_size
+    _need(gbs % (2 * dp) == 0, "policy.train_global_batch_size",
+          f"{gbs} rows must split into whole (chosen, rejected) pairs on each of {dp} data-parallel ranks")
+    _need(mbs % 2 == 0 and (gbs // dp) % mbs == 0, "policy.train_micro_batch_size",
+          f"{mbs} must be even and divide the per-rank rows {gbs} / {dp} = {gbs // dp}")
+    _positive(cfg.rm.max_num_steps, "rm.max_num_steps")
+    _need(cfg.rm.val_period >= 0, "rm.val_period", "must be >= 0 (0: validate only at the end)")
+    _need(cfg.data.max_seq_length > 1, "data.max_seq_length", "must be > 1")
+    _positive(cfg.checkpointing.save_period, "checkpointing.save_period")

@@ -1,0 +1,99 @@
+"""`WeightReceiver`: the engine workers' side of a non-colocated refit (weights/refit.py's CollectiveRefitter).
+
+A mixin of both engines' worker actors. Policy rank 0 (weights/sender.py) broadcasts each bucket of the plan
+over the transfer group as one flat buffer per dtype (weights/transfer.py); each receiver receives into
+buffers of the planned layout and loads the bucket in place (`begin_refit` / `load_bucket` / `finish_refit`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nemo_grpo.weights import transfer as wt
+from nemo_grpo.weights.transfer import TensorSpec
+
+
+class WeightReceiver:
+    """Mixin of an engine's worker actor: the receiving end of a CollectiveRefitter.
+
+    The engine worker supplies `load_bucket(bucket)` (HF-named full tensors, loaded in place), and where it
+    needs them `begin_refit()` / `finish_refit()` around a refit's buckets, `_weight_names()` (the names it
+    accepts; None = not known) and `_weight_device()` (where its model lives).
+    """
+
+    _receiver: Optional[dict] = None
+
+    def begin_refit(self) -> None:
+        """Before a refit's first bucket."""
+
+    def finish_refit(self) -> int:
+        """After its last bucket (also after a failed one)."""
+        return 0
+
+    def load_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
+        raise NotImplementedError(f"{type(self).__name__} does not load weight buckets")
+
+    def _weight_names(self) -> Optional[set[str]]:
+        return None
+
+    def _weight_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def weight_transfer_device(self) -> str:
+        """"cuda" | "cpu": where received weights end up (NCCL is used only when every member says cuda)."""
+        return self._weight_device().type
+
+    def check_weight_names(self, names: list[str]) -> None:
+        known = self._weight_names()
+        unknown = sorted(n for n in names if n not in known) if known is not None else []
+        if unknown:
+            raise KeyError(f"refit: the engine's model has no parameter(s) {unknown[:5]}")
+
+    def join_weight_transfer(self, host: str, port: int, rank: int, world_size: int, backend: str,
+                             plan: list[list[TensorSpec]], timeout_s: float) -> None:
+        """Join the transfer group as `rank`; `plan` is the layout of every refit's buckets, in order."""
+        self.check_weight_names([s.name for bucket in plan for s in bucket])
+        device = self._weight_device() if backend == "nccl" else torch.device("cpu")
+        group = wt.join_group(host, port, rank, world_size, backend, timeout_s)
+        self._receiver = {"group": group, "plan": plan, "device": device}
+
+    def _receive_async(self, index: int) -> tuple[list, list[torch.Tensor]]:
+        bucket = self._receiver["plan"][index]
+        flats = wt.empty_buffers(bucket, self._receiver["device"])
+        return wt.broadcast_async(self._receiver["group"], flats), flats
+
+    def receive_weights(self) -> int:
+        """One refit: receive every bucket of the plan and load it; returns the number of tensors loaded.
+
+        Buffers are fresh per bucket: a loader may keep views of a bucket until a later one completes a
+        layer (vLLM's layerwise reload). After a failed load the remaining buckets are still received (and
+        dropped), so the sender is not left waiting; the error is raised at the end.
+        """
+        if self._receiver is None:
+            raise RuntimeError("receive_weights: not in a weight-transfer group (join_weight_transfer first)")
+        plan = self._receiver["plan"]
+        error: Optional[BaseException] = None
+        loaded = 0
+        try:
+            self.begin_refit()
+        except Exception as e:
+            error = e
+        try:
+            incoming = self._receive_async(0) if plan else None
+            for index, bucket in enumerate(plan):
+                works, flats = incoming
+                wt.wait(works)
+                if index + 1 < len(plan):  # bucket i + 1 arrives while bucket i is loaded
+                    incoming = self._receive_async(index + 1)
+                if error is None:
+                    try:
+                        loaded += self.load_bucket(wt.unpack(flats, bucket))
+                    except Exception as e:  # keep the protocol in step; report after the last bucket
+                        error = e
+        finally:
+            self.finish_refit()
+        if error is not None:
+            raise error
+        return loaded
