@@ -2,7 +2,13 @@
 
 `apply()` once per process before a model is built; run every Megatron call inside `device_context()` (a
 TorchFunctionMode is per thread, and Ray may run actor methods on another thread than the constructor).
-Measured pitfalls and fixes: /work/shared/notes/cpu-stack.md (Megatron-Core section).
+What breaks on CPU, and the fix here (measured with megatron-core 0.16.1, torch 2.13 CPU):
+- `model_parallel_cuda_manual_seed` asserts CUDA: a CPU RNG-states tracker answers it;
+- ~175 `torch.cuda.current_device()` sites: they get the CPU device;
+- hard-coded `device="cuda"` in schedules, optimizer and grad clipping: a TorchFunctionMode rewrites it to cpu;
+- the distributed optimizer's `torch.cuda.FloatTensor` type check: `Tensor.type()` answers the CUDA name there;
+- `torch.cuda.synchronize()` in pipeline p2p: a no-op;
+- sequence parallelism refuses torch's norms: they are built anyway, their params tagged `sequence_parallel`.
 """
 
 from __future__ import annotations
