@@ -140,3 +140,35 @@ def test_cli_reports_config_error_without_traceback(capsys):
     assert main(["policy.optimizer.lr=fast"]) == 2
     err = capsys.readouterr().err
     assert "policy.optimizer.lr" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("override,key", [
+    ("policy.megatron_cfg.pipeline_model_parallel_size=0", "policy.megatron_cfg.pipeline_model_parallel_size"),
+    ("policy.dtensor_cfg.tensor_parallel_size=0", "policy.dtensor_cfg.tensor_parallel_size"),
+])
+def test_keys_of_the_inactive_back_end_are_validated(override, key):
+    backend = "dtensor" if "megatron_cfg" in override else "megatron"
+    with pytest.raises(ConfigError, match=f"'{key}': .* must be >= 1, got 0"):
+        load_config(None, [f"policy.backend={backend}", override])
+
+
+def test_a_negative_prompt_count_is_named_as_itself():
+    with pytest.raises(ConfigError, match="'grpo.num_prompts_per_step': must be > 0, got -1"):
+        load_config(None, ["grpo.num_prompts_per_step=-1"])
+
+
+def test_reward_model_switch_of_nemo_rl_is_honoured(tiny_model_dir):
+    rm = tiny_model_dir("qwen2", scalar_head=True)
+    base = [f"env.reward_model.model_name={rm}", "env.reward_model.resources.gpus_per_node=1",
+            "cluster.gpus_per_node=2", "data.train.env_name=reward_model"]
+    assert load_config(None, base).env.reward_model.active
+    with pytest.raises(ConfigError, match="'env.reward_model': data.train.env_name is 'reward_model' but "
+                                          "env.reward_model is null or disabled"):
+        load_config(None, base + ["env.reward_model.reward_model_cfg.enabled=false"])
+
+
+def test_non_utf8_recipe_is_named_with_its_line(tmp_path):
+    recipe = tmp_path / "latin1.yaml"
+    recipe.write_bytes("grpo:\n  max_num_steps: 3\n# caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=f"--config: {recipe}:3: not UTF-8 text"):
+        load_config(str(recipe))
