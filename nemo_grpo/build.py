@@ -20,16 +20,30 @@ def load_tokenizer(cfg: MasterConfig, model_path: str):
     return tokenizer
 
 
-def build_datasets(cfg: MasterConfig, tokenizer):
-    """(train PromptLoader, validation datums) from data.*"""
+def load_datasets(cfg: MasterConfig) -> dict:
+    """data.* split ("train", "validation") -> its raw problems: the data and prompt files are read (and their
+    errors raised) before any model, tokenizer or actor is loaded."""
     from nemo_grpo.data.datasets import load_problems
+    from nemo_grpo.data.prompts import read_prompt_files
+
+    problems = {}
+    for split, ds in (("train", cfg.data.train), ("validation", cfg.data.validation)):
+        if ds is not None:
+            problems[split] = load_problems(ds, f"data.{split}")
+            read_prompt_files(ds, f"data.{split}")
+    return problems
+
+
+def build_datasets(cfg: MasterConfig, tokenizer, problems: dict | None = None):
+    """(train PromptLoader, validation datums) from data.* (or from load_datasets' `problems`)."""
     from nemo_grpo.data.prompts import PromptLoader, build_prompts
 
-    train, _ = build_prompts(load_problems(cfg.data.train), tokenizer, cfg.data.train, cfg.data.max_input_seq_length)
+    problems = load_datasets(cfg) if problems is None else problems
+    n = cfg.data.max_input_seq_length
+    train, _ = build_prompts(problems["train"], tokenizer, cfg.data.train, n, "data.train")
     val = []
     if cfg.data.validation is not None:
-        val, _ = build_prompts(load_problems(cfg.data.validation), tokenizer, cfg.data.validation,
-                               cfg.data.max_input_seq_length)
+        val, _ = build_prompts(problems["validation"], tokenizer, cfg.data.validation, n, "data.validation")
     loader = PromptLoader(train, cfg.grpo.num_prompts_per_step, cfg.data.shuffle, cfg.grpo.seed)
     return loader, val
 
@@ -49,7 +63,15 @@ def build_environments(cfg: MasterConfig, plan=None, groups: dict | None = None)
     return envs
 
 
-def build_trainer(cfg: MasterConfig):
+def build_trainer(cfg: MasterConfig, *, log_to_driver: bool = True):
+    """The GRPOTrainer of a validated config. What the user's input can break is checked first, cheapest first
+    (output directories, data files, then the model and its tokenizer), so a UserInputError comes before Ray
+    or any actor starts. log_to_driver=False leaves the Ray workers' output in Ray's session logs."""
+    from nemo_grpo.utils.checkpoint import CheckpointManager
+
+    checkpointer = CheckpointManager(cfg.checkpointing)  # creates checkpoint_dir, checks that it is writable
+    problems = load_datasets(cfg)
+
     import ray
 
     from nemo_grpo.algorithms.grpo import GRPOTrainer
@@ -58,15 +80,13 @@ def build_trainer(cfg: MasterConfig):
     from nemo_grpo.generation import make_generation_engine
     from nemo_grpo.models.builtin import resolve_model_path
     from nemo_grpo.policy import Policy
-    from nemo_grpo.utils.checkpoint import CheckpointManager
     from nemo_grpo.utils.logger import Logger
 
     model_path = resolve_model_path(cfg.policy.model_name, seed=0)
     tokenizer = load_tokenizer(cfg, model_path)
-    loader, val = build_datasets(cfg, tokenizer)
-    checkpointer = CheckpointManager(cfg.checkpointing)
+    loader, val = build_datasets(cfg, tokenizer, problems)
     logger = Logger(cfg.logger, to_dict(cfg))
-    init_ray()
+    init_ray(log_to_driver=log_to_driver)
     plan = plan_resources(cfg)
     log.info("resource plan:\n%s", plan.describe())
     groups = reserve(plan)

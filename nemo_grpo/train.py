@@ -1,9 +1,11 @@
 """GRPO training entry point.
 
-    python -m nemo_grpo.train [--config configs/X.yaml] [section.key=value ...]
+    python -m nemo_grpo.train [--config configs/X.yaml] [--verbose] [section.key=value ...]
 
 With no argument it runs the tiny CPU recipe (configs/grpo_tiny_cpu.yaml's defaults), which learns
-single-digit addition in a few minutes on a laptop.
+single-digit addition in a few minutes on a laptop. The console shows our own progress; third-party output
+goes to <logger.log_dir>/run.log and Ray's session logs unless --verbose. Bad input (config, data, output
+directories) is one line on stderr and exit status 2; a finished run prints one summary line on stdout.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ import argparse
 import logging
 import sys
 
-from nemo_grpo.config import TOP_LEVEL_SECTIONS, ConfigError
+from nemo_grpo.config import TOP_LEVEL_SECTIONS
+from nemo_grpo.utils.cli import configure_console, log_to_file, run_main
 from nemo_grpo.validation import load_config
+
+log = logging.getLogger("nemo_grpo.train")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -25,30 +30,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                "policy.dtensor_cfg.tensor_parallel_size=2")
     parser.add_argument("--config", help="YAML recipe (configs/*.yaml); defaults to the tiny CPU recipe")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--verbose", action="store_true", help="show third-party output (vLLM, Ray workers, "
+                        "transformers) on the console instead of <logger.log_dir>/run.log and Ray's session logs")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.max_num_steps=10")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_main(train, parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def train(args: argparse.Namespace) -> int:
+    configure_console(args.verbose)
+    cfg = load_config(args.config, args.overrides)
     if args.print_config:
         from nemo_grpo.config import to_yaml
 
         print(to_yaml(cfg))
         return 0
     from nemo_grpo.build import build_trainer
+    from nemo_grpo.utils.logger import prepare_log_dir
 
-    trainer = build_trainer(cfg)
+    log_file = log_to_file(prepare_log_dir(cfg.logger.log_dir), args.verbose)
+    trainer = build_trainer(cfg, log_to_driver=args.verbose)
+    if not args.verbose:
+        log.info("third-party log output: %s (--verbose shows it here)", log_file)
     try:
         trainer.run()
     finally:
         trainer.close()
+    print(trainer.summary(), flush=True)
     return 0
 
 

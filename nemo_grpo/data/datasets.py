@@ -38,35 +38,54 @@ def arithmetic_code_problems() -> list[dict]:
 BUILTIN_DATASETS = {"addition": addition_problems, "arithmetic_code": arithmetic_code_problems}
 
 
-def jsonl_rows(path: str) -> Iterator[tuple[str, dict]]:
-    """("path:line", object) for each non-empty line of a JSONL file; clear errors for a missing file, bad
-    JSON, a line that is not an object, or no rows at all."""
+def _decoded_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line of a UTF-8 file (a leading byte-order mark is dropped); a line that is
+    not UTF-8 is an error naming the file, the line and the byte."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                f"{e.start + 1}); save the file as UTF-8") from None
+            yield lineno, text
+
+
+def jsonl_rows(path: str, key: str = "data_path") -> Iterator[tuple[str, dict]]:
+    """("path:line", object) for each non-empty line of a JSONL file; errors naming the config `key` for a
+    missing file, and the file and line for text that is not UTF-8, bad JSON, a line that is not an object,
+    or no rows at all."""
+    if os.path.isdir(path):
+        raise DataError(f"config key '{key}': {path} is a directory, not a JSONL file")
     if not os.path.isfile(path):
-        raise DataError(f"dataset file not found: {path}")
+        raise DataError(f"config key '{key}': file not found: {path}")
     count = 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    try:
+        for lineno, line in _decoded_lines(path):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             count += 1
             yield f"{path}:{lineno}", row
+    except OSError as e:
+        raise DataError(f"config key '{key}': cannot read {path} ({e.strerror or e})") from None
     if not count:
-        raise DataError(f"{path}: no rows")
+        raise DataError(f"{path}: no rows (config key '{key}' names an empty file)")
 
 
-def read_jsonl(path: str, input_key: str, output_key: str) -> list[dict[str, str]]:
-    """One JSON object per line; `input_key` holds the problem and `output_key` the reference answer."""
+def read_jsonl(path: str, input_key: str, output_key: str, section: str = "data.*") -> list[dict[str, str]]:
+    """One JSON object per line; `input_key` holds the problem and `output_key` the reference answer.
+    `section` ("data.train") names the config keys in errors."""
     items = []
-    for where, row in jsonl_rows(path):
+    for where, row in jsonl_rows(path, f"{section}.data_path"):
         for key, what in ((input_key, "input_key"), (output_key, "output_key")):
             if key not in row:
-                raise DataError(f"{where}: missing key '{key}' (data.*.{what}); keys present: {sorted(row)}")
+                raise DataError(f"{where}: missing key '{key}' ({section}.{what}); keys present: {sorted(row)}")
         extra = row.get("extra_env_info", {})
         if not isinstance(extra, dict):
             raise DataError(f"{where}: 'extra_env_info' must be an object (e.g. {{\"tests\": [...]}})")
@@ -74,28 +93,48 @@ def read_jsonl(path: str, input_key: str, output_key: str) -> list[dict[str, str
     return items
 
 
-def read_hf_dataset(name: str, subset: str | None, split: str, input_key: str, output_key: str):
+def read_hf_dataset(name: str, subset: str | None, split: str, input_key: str, output_key: str,
+                    section: str = "data.*"):
+    """Rows of a Hugging Face dataset (the `datasets` package); a dataset that cannot be loaded (unknown name,
+    subset or split, no network with HF_HUB_OFFLINE) is an error naming `section`.data_path."""
+    key = f"{section}.data_path"
     try:
         import datasets
     except ImportError:
-        raise DataError(f"data.*.data_path '{name}' names a Hugging Face dataset, which needs the datasets "
-                        "package: pip install 'nemo-grpo[datasets]'") from None
-    rows = datasets.load_dataset(name, subset, split=split)
+        raise DataError(f"config key '{key}': '{name}' is not a local file, so it names a Hugging Face dataset, "
+                        "which needs the datasets package: pip install 'nemo-grpo[datasets]'") from None
+    try:
+        rows = datasets.load_dataset(name, subset, split=split)
+    except Exception as e:  # the package's errors for a name, subset or split it cannot serve
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise DataError(f"config key '{key}': cannot load Hugging Face dataset '{name}' (subset {subset}, "
+                        f"split {split}): {type(e).__name__}: {first}") from None
     missing = [k for k in (input_key, output_key) if k not in rows.column_names]
     if missing:
-        raise DataError(f"dataset '{name}' has no column(s) {missing}; columns: {rows.column_names}")
+        raise DataError(f"config key '{key}': dataset '{name}' has no column(s) {missing} "
+                        f"({section}.input_key / output_key); columns: {rows.column_names}")
     return [{"problem": str(r[input_key]), "answer": str(r[output_key])} for r in rows]
 
 
-def load_problems(cfg: DatasetConfig) -> list[dict[str, str]]:
-    """Raw problems for one dataset config: built-in name, a .jsonl path, or a HF dataset name."""
+def _is_file_path(path: str) -> bool:
+    """A data_path meant as a local file: it exists, ends in .jsonl / .json, or is written as a path
+    (absolute, ./, ../, ~) rather than a Hugging Face name such as "openai/gsm8k"."""
+    return (os.path.exists(path) or path.endswith((".jsonl", ".json")) or os.path.isabs(path)
+            or path.startswith(("./", "../", "~")))
+
+
+def load_problems(cfg: DatasetConfig, section: str = "data.*") -> list[dict[str, str]]:
+    """Raw problems for one dataset config: built-in name, a .jsonl path, or a HF dataset name. `section`
+    ("data.train", "data.validation") names the config keys in errors."""
     if cfg.dataset_name in BUILTIN_DATASETS:
         return BUILTIN_DATASETS[cfg.dataset_name]()
     if cfg.dataset_name != "ResponseDataset":
-        raise DataError(f"data.*.dataset_name '{cfg.dataset_name}' is unknown; known: "
+        raise DataError(f"config key '{section}.dataset_name': '{cfg.dataset_name}' is unknown; known: "
                         f"{', '.join(sorted(BUILTIN_DATASETS))}, ResponseDataset (with data_path)")
     if not cfg.data_path:
-        raise DataError("data.*.data_path is required with dataset_name ResponseDataset")
-    if cfg.data_path.endswith((".jsonl", ".json")) or os.path.exists(cfg.data_path):
-        return read_jsonl(cfg.data_path, cfg.input_key, cfg.output_key)
-    return read_hf_dataset(cfg.data_path, cfg.subset, cfg.split, cfg.input_key, cfg.output_key)
+        raise DataError(f"config key '{section}.data_path': is required with dataset_name ResponseDataset "
+                        "(a JSONL file or a Hugging Face dataset name)")
+    path = os.path.expanduser(cfg.data_path)
+    if _is_file_path(cfg.data_path):
+        return read_jsonl(path, cfg.input_key, cfg.output_key, section)
+    return read_hf_dataset(cfg.data_path, cfg.subset, cfg.split, cfg.input_key, cfg.output_key, section)

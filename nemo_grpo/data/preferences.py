@@ -41,13 +41,13 @@ def addition_preferences(seed: int, wrong_per_problem: int = 4) -> list[dict[str
     return pairs
 
 
-def read_preference_pairs(path: str, seed: int = 0) -> list[dict[str, Any]]:
+def read_preference_pairs(path: str, seed: int = 0, key: str = "data_path") -> list[dict[str, Any]]:
     """JSONL -> [{"chosen": Messages, "rejected": Messages, "subset": str}] (subset "all" when absent);
-    "builtin:addition" generates the default task's pairs (seeded)."""
+    "builtin:addition" generates the default task's pairs (seeded). `key` is the config key errors name."""
     if path == BUILTIN_PREFIX + "addition":
         return addition_preferences(seed)
     pairs = []
-    for where, row in jsonl_rows(path):
+    for where, row in jsonl_rows(path, key):
         missing = [k for k in ("chosen", "rejected") if k not in row]
         if missing:
             raise DataError(f"{where}: missing key(s) {missing}; keys present: {sorted(row)}")

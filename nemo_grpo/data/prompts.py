@@ -6,8 +6,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch
-
 from nemo_grpo.config import DatasetConfig
 from nemo_grpo.data.datasets import DataError
 
@@ -27,11 +25,27 @@ class Datum:
     stop_strings: Optional[list[str]] = field(default=None)
 
 
-def _read(path: Optional[str]) -> Optional[str]:
+def _read(path: Optional[str], key: str) -> Optional[str]:
+    """The text of a prompt file (None for no file); errors name the config `key` and the file."""
     if path is None:
         return None
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (config key '{key}'); save the file as UTF-8") from None
+    except OSError as e:
+        raise DataError(f"config key '{key}': cannot read {path} ({e.strerror or e})") from None
+
+
+def _fill(template: str, problem: str, path: str, key: str) -> str:
+    """The prompt file's text with the problem in place of its `{}`."""
+    try:
+        return template.format(problem)
+    except (IndexError, KeyError, ValueError) as e:
+        raise DataError(f"config key '{key}': {path} is a Python format string with one '{{}}' for the problem; "
+                        f"write other braces as '{{{{' and '}}}}' ({type(e).__name__}: {e})") from None
 
 
 def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
@@ -43,19 +57,32 @@ def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def read_prompt_files(cfg: DatasetConfig, section: str = "data.*") -> tuple[Optional[str], Optional[str]]:
+    """(prompt template, system prompt) of a dataset config, None where no file is set. The template must be a
+    format string with one `{}`: one sample problem is filled in, so a stray brace fails here, naming the key."""
+    key = f"{section}.prompt_file"
+    template = _read(cfg.prompt_file, key)
+    system = _read(cfg.system_prompt_file, f"{section}.system_prompt_file")
+    if template is not None:
+        if "{}" not in template:
+            raise DataError(f"config key '{key}': {cfg.prompt_file} must contain '{{}}' where the problem goes")
+        _fill(template, "", cfg.prompt_file, key)
+    return template, system
+
+
 def build_prompts(problems: list[dict[str, str]], tokenizer, cfg: DatasetConfig,
-                  max_input_seq_length: int) -> tuple[list[Datum], int]:
+                  max_input_seq_length: int, section: str = "data.*") -> tuple[list[Datum], int]:
     """Raw problems -> tokenized Datums; prompts longer than max_input_seq_length are dropped.
 
     Returns (datums, number dropped). The problem text goes through `prompt_file` (a format string with
-    one `{}`) when given; `system_prompt_file` adds a system message.
+    one `{}`) when given; `system_prompt_file` adds a system message. `section` ("data.train") names the
+    config keys in errors.
     """
-    template, system = _read(cfg.prompt_file), _read(cfg.system_prompt_file)
-    if template is not None and "{}" not in template:
-        raise DataError(f"data prompt_file {cfg.prompt_file} must contain '{{}}' where the problem goes")
+    template, system = read_prompt_files(cfg, section)
     datums, dropped = [], 0
     for idx, item in enumerate(problems):
-        content = template.format(item["problem"]) if template is not None else item["problem"]
+        content = (_fill(template, item["problem"], cfg.prompt_file, f"{section}.prompt_file")
+                   if template is not None else item["problem"])
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
         ids = render_prompt(tokenizer, messages)
         if len(ids) > max_input_seq_length:
@@ -68,8 +95,8 @@ def build_prompts(problems: list[dict[str, str]], tokenizer, cfg: DatasetConfig,
         log.warning("dropped %d of %d prompts longer than data.max_input_seq_length=%d tokens",
                     dropped, len(problems), max_input_seq_length)
     if not datums:
-        raise DataError(f"no prompt fits data.max_input_seq_length={max_input_seq_length} "
-                        f"({len(problems)} problems, all longer)")
+        raise DataError(f"config key 'data.max_input_seq_length': no prompt of {section} fits "
+                        f"data.max_input_seq_length={max_input_seq_length} ({len(problems)} problems, all longer)")
     return datums, dropped
 
 
@@ -88,6 +115,8 @@ class PromptLoader:
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
+        import torch  # here, not at the top: the data files are read (and checked) without it
+
         if not self.shuffle:
             return list(range(len(self.datums)))
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
@@ -102,6 +131,11 @@ class PromptLoader:
             batch.append(self.datums[self._order[self.position]])
             self.position += 1
         return batch
+
+    @property
+    def epochs_done(self) -> int:
+        """Complete passes over the prompts so far (a pass ends with the last prompt of its order)."""
+        return self.epoch + int(self.position >= len(self._order))
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
+
+log = logging.getLogger(__name__)
 
 # environment every actor gets: no hub, quiet tokenizers, one math thread unless the worker pins more
 WORKER_ENV = {
@@ -15,23 +18,36 @@ WORKER_ENV = {
 }
 
 
-def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
+def init_ray(num_cpus: int | None = None, address: str | None = None, log_to_driver: bool = True) -> None:
     """Join the cluster at `address` (or $RAY_ADDRESS), else start a local one on loopback. Idempotent.
 
     A local cluster gets at least 8 logical CPUs: actors here are mostly idle while another works, and
     threads are pinned per process, so logical CPUs are scheduling slots, not cores.
+
+    log_to_driver=False keeps the workers' stdout and stderr (vLLM's warnings, model-loading bars, the actors'
+    own logs) out of this process's console: they stay in Ray's session directory, which is logged here; and
+    this process's libraries (Ray's own banner included) log through the root logger (utils/cli.py).
     """
     import ray
 
     if ray.is_initialized():
         return
+    if not log_to_driver:
+        from nemo_grpo.utils.cli import quiet_libraries
+
+        quiet_libraries()
     for k, v in WORKER_ENV.items():
         os.environ.setdefault(k, v)
     address = address or os.environ.get("RAY_ADDRESS")
     runtime_env = {"env_vars": dict(WORKER_ENV)}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-        return
-    ray.init(num_cpus=max(num_cpus or 0, os.cpu_count() or 1, 8), include_dashboard=False,
-             _node_ip_address="127.0.0.1", runtime_env=runtime_env, log_to_driver=True,
-             configure_logging=False)
+        context = ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver,
+                           configure_logging=False)
+    else:
+        context = ray.init(num_cpus=max(num_cpus or 0, os.cpu_count() or 1, 8), include_dashboard=False,
+                           _node_ip_address="127.0.0.1", runtime_env=runtime_env, log_to_driver=log_to_driver,
+                           configure_logging=False)
+    if not log_to_driver:
+        session = getattr(context, "address_info", {}).get("session_dir")
+        where = os.path.join(session, "logs") if session else "Ray's session directory (/tmp/ray/session_latest/logs)"
+        log.info("Ray workers' output (stdout/stderr of every actor): %s/worker-*.out, *.err", where)

@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import re
+import tempfile
 import time
 from typing import Any, Optional
 
@@ -31,12 +32,28 @@ RESERVED_KEYS = ("step", "prefix")
 
 
 def _require(module: str, key: str, extra: str):
-    """Import an optional package, or raise an error that names the config key that asked for it."""
+    """Import an optional package, or raise a ConfigError that names the config key that asked for it."""
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(f"logger.{key} requires the {module} package: pip install nemo-grpo[{extra}] "
+        raise ConfigError(f"logger.{key} requires the {module} package: pip install nemo-grpo[{extra}] "
                           f"(or set logger.{key}=false)") from None
+
+
+def prepare_log_dir(path: str, key: str = "logger.log_dir") -> str:
+    """Create the directory `path` if needed and check that files can be written in it; returns its absolute
+    path. A ConfigError names `key` and the path otherwise (checked before anything is started)."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"config key '{key}': {path} exists but is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"config key '{key}': {path} is not a writable directory ({e.strerror or e})") from None
+    return path
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -176,11 +193,10 @@ class Logger:
 
     def __init__(self, cfg: LoggerConfig, run_config: Optional[dict] = None):
         self.cfg = cfg
-        self.log_dir = os.path.abspath(cfg.log_dir)
-        self.metrics_path = os.path.join(self.log_dir, METRICS_FILE)
         wandb = _require("wandb", "wandb_enabled", "wandb") if cfg.wandb_enabled else None
         mlflow = _require("mlflow", "mlflow_enabled", "mlflow") if cfg.mlflow_enabled else None
-        self._make_log_dir()
+        self.log_dir = prepare_log_dir(cfg.log_dir)
+        self.metrics_path = os.path.join(self.log_dir, METRICS_FILE)
         self.backends: list = []
         if cfg.tensorboard_enabled:
             self.backends.append(TensorBoardBackend(self.log_dir, run_config))
@@ -192,15 +208,6 @@ class Logger:
         self._total_steps: Optional[int] = None
         self._last_update: Optional[float] = None
         self._closed = False
-
-    def _make_log_dir(self) -> None:
-        if os.path.exists(self.log_dir) and not os.path.isdir(self.log_dir):
-            raise ConfigError(f"config key 'logger.log_dir': {self.log_dir} exists but is not a directory")
-        try:
-            os.makedirs(self.log_dir, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"config key 'logger.log_dir': cannot create {self.log_dir} "
-                              f"({e.strerror or e})") from None
 
     # ------------------------------------------------------------------------------------------ metrics
     def log_metrics(self, metrics: dict[str, float], step: int, prefix: str = "") -> None:
@@ -221,11 +228,9 @@ class Logger:
             backend.log_metrics(keyed, step)
 
     def log_text(self, tag: str, text: str, step: int) -> None:
-        """Print a block of text (e.g. a few validation samples) above the progress bar and log it to the
-        back ends under `tag`."""
-        from tqdm import tqdm
-
-        tqdm.write(f"[{tag} @ step {step}]\n{text}")
+        """Log a block of text (e.g. a few validation samples) through Python logging (the console and the
+        run's log file) and to the back ends under `tag`."""
+        log.info("%s at step %d:\n%s", tag, step, text)
         for backend in self.backends:
             backend.log_text(tag, text, step)
 

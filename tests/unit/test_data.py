@@ -69,3 +69,46 @@ def test_loader_resumes_exactly(tokenizer):
     assert [d.idx for d in a.next_batch()] == [d.idx for d in b.next_batch()]
     epoch0 = PromptLoader(datums, 100, shuffle=True, seed=3).next_batch()
     assert sorted(d.idx for d in epoch0) == list(range(100))  # an epoch is a permutation
+
+
+def test_jsonl_encoding_and_path_errors_name_file_line_and_key(tmp_path):
+    def problems(path, **kw):
+        return load_problems(DatasetConfig(dataset_name="ResponseDataset", data_path=str(path), **kw), "data.train")
+
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"input": "1+1=", "output": "2"}\n{"input": "caf\xe9=", "output": "x"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9 at column 15\)"):
+        problems(path)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"input": "1+1=", "output": "2"}\n')  # UTF-8 with a byte-order mark
+    assert problems(bom) == [{"problem": "1+1=", "answer": "2", "extra_env_info": {}}]
+    with pytest.raises(DataError, match=r"config key 'data.train.data_path': .* is a directory"):
+        problems(tmp_path)
+    with pytest.raises(DataError, match=r"config key 'data.train.data_path': file not found: .*nope.txt"):
+        problems(tmp_path / "nope.txt")  # an absolute path is a file, not a Hugging Face dataset name
+    with pytest.raises(DataError, match=r"config key 'data.validation.data_path': is required"):
+        load_problems(DatasetConfig(dataset_name="ResponseDataset"), "data.validation")
+
+
+def test_prompt_file_errors_name_the_key(tmp_path, tokenizer):
+    latin1 = tmp_path / "p.txt"
+    latin1.write_bytes(b"line one\nQ: {} \xe9")
+    with pytest.raises(DataError, match=r"p.txt:2: not UTF-8 text \(config key 'data.train.prompt_file'\)"):
+        build_prompts(addition_problems(), tokenizer, DatasetConfig(prompt_file=str(latin1)), 8, "data.train")
+    braces = tmp_path / "b.txt"
+    braces.write_text('{"answer": ...} {}')
+    with pytest.raises(DataError, match=r"config key 'data.train.prompt_file': .*b.txt is a Python format string"):
+        build_prompts(addition_problems(), tokenizer, DatasetConfig(prompt_file=str(braces)), 8, "data.train")
+
+
+def test_loader_counts_complete_epochs(tokenizer):
+    datums, _ = build_prompts(addition_problems()[:10], tokenizer, DatasetConfig(), 8)
+    loader = PromptLoader(datums, 4, shuffle=True, seed=0)
+    done = []
+    for _ in range(6):
+        loader.next_batch()
+        done.append(loader.epochs_done)
+    assert done == [0, 0, 1, 1, 2, 2]  # 4, 8, 12 (an epoch of 10 ends inside batch 3), 16, 20 (exactly 2), 24
+    resumed = PromptLoader(datums, 4, shuffle=True, seed=0)
+    resumed.load_state_dict(loader.state_dict())
+    assert resumed.epochs_done == 2

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from nemo_grpo.config import LoggerConfig
-from nemo_grpo.utils.logger import Logger, metric_series, read_metrics
+from nemo_grpo.config import ConfigError, LoggerConfig
+from nemo_grpo.utils.logger import Logger, metric_series, prepare_log_dir, read_metrics
 from nemo_grpo.utils.timer import Timer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -96,7 +96,7 @@ def test_save_plot_without_history_still_writes_a_png(tmp_path):
 @pytest.mark.parametrize("key, module", [("wandb_enabled", "wandb"), ("mlflow_enabled", "mlflow")])
 def test_missing_optional_package_names_the_key(tmp_path, monkeypatch, key, module):
     monkeypatch.setitem(sys.modules, module, None)  # import fails even where the package is installed
-    with pytest.raises(ImportError, match=rf"logger\.{key} requires the {module} package: "
+    with pytest.raises(ConfigError, match=rf"logger\.{key} requires the {module} package: "
                                           rf"pip install nemo-grpo\[{module}\]"):
         _logger(tmp_path, **{key: True})
     assert not (tmp_path / "logs" / "tensorboard").exists()  # nothing half-built
@@ -161,3 +161,34 @@ def test_timer_records_a_section_that_raises_and_rejects_reentry():
                 pass
     with pytest.raises(ValueError, match="sum, mean"):
         timer.get_timing_metrics("median")
+
+
+# ----------------------------------------------------------------------------------------------- log dir, text
+def test_log_dir_that_cannot_hold_files_names_the_key_and_path(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"config key 'logger.log_dir': .*a_file exists but is not a directory"):
+        Logger(LoggerConfig(log_dir=str(blocker), tensorboard_enabled=False))
+    with pytest.raises(ConfigError, match=r"config key 'logger.log_dir': .*a_file/logs is not a writable directory"):
+        Logger(LoggerConfig(log_dir=str(blocker / "logs"), tensorboard_enabled=False))
+    assert prepare_log_dir(str(tmp_path / "new" / "logs")) == str(tmp_path / "new" / "logs")
+    assert (tmp_path / "new" / "logs").is_dir() and not list((tmp_path / "new" / "logs").iterdir())  # probe gone
+
+
+def test_log_text_goes_to_logging_and_the_back_ends(tmp_path, caplog):
+    logger = _logger(tmp_path, tensorboard_enabled=False)
+    got = []
+
+    class Backend:
+        def log_text(self, tag, text, step):
+            got.append((tag, text, step))
+
+        def close(self):
+            pass
+
+    logger.backends.append(Backend())
+    with caplog.at_level(logging.INFO, logger="nemo_grpo.utils.logger"):
+        logger.log_text("val/samples", "sample 1 | reward 1.000", 7)
+    logger.close()
+    assert got == [("val/samples", "sample 1 | reward 1.000", 7)]
+    assert "val/samples at step 7:\nsample 1 | reward 1.000" in caplog.text
