@@ -1,9 +1,10 @@
 """The GRPO loop: rollouts -> rewards -> group advantages -> old/reference log-probs -> train -> refit.
 
-`GRPOTrainer.setup(cfg)` builds every component (Ray actors included); `run()` trains to
-grpo.max_num_steps, validating every val_period steps and checkpointing every save_period steps; a run
-started with checkpoints in checkpointing.checkpoint_dir continues from the newest exactly (prompt order,
-sampling seeds, weights, optimizer and RNG state).
+`nemo_grpo.build.build_trainer(cfg)` builds every component (Ray actors included); `run()` trains to
+grpo.max_num_steps (or until the prompts have been seen grpo.max_num_epochs times), validating every val_period
+steps and checkpointing every save_period steps; a run started with checkpoints in checkpointing.checkpoint_dir
+continues from the newest exactly (prompt order, sampling seeds, weights, optimizer and RNG state). `summary()`
+is the one line a finished run ends with.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -27,6 +29,42 @@ log = logging.getLogger(__name__)
 
 # what the policy receives of a collated rollout batch (the backends' data contract)
 TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask", "advantages", "generation_logprobs")
+# what an environment's global_post_process_and_metrics receives of it, per row (EnvironmentInterface)
+ENV_ROW_KEYS = ("rewards", "text", "response_lengths", "prompt_lengths", "truncated")
+
+
+def env_metric_views(batch: dict[str, Any], num_generations_per_prompt: int) -> dict[str, dict[str, Any]]:
+    """task name -> the part of a collated batch that task's environment computes its metrics on: only the rows
+    of that task, in batch order (whole groups: the G samples of a prompt share its task)."""
+    rows: dict[str, list[int]] = defaultdict(list)
+    for i, task in enumerate(batch["task_names"]):
+        rows[task].append(i)
+    views = {}
+    for task, idx in rows.items():
+        index = torch.tensor(idx, dtype=torch.long)
+        view = {k: [batch[k][i] for i in idx] if isinstance(batch[k], list) else batch[k][index]
+                for k in ENV_ROW_KEYS}
+        view["num_generations_per_prompt"] = num_generations_per_prompt
+        views[task] = view
+    return views
+
+
+def format_samples(samples: list[Sample], n: int) -> str:
+    """The first n samples as text for a person: prompt, response (every turn after the prompt) and reward."""
+    blocks = []
+    for i, s in enumerate(samples[:n]):
+        prompt = s.datum.message_log[-1]["content"] if s.datum.message_log else ""
+        turns = s.message_log[len(s.datum.message_log):]
+        response = "\n".join(m["content"] if m["role"] == "assistant" else f"[{m['role']}] {m['content']}"
+                             for m in turns)
+        blocks.append(f"sample {i + 1} | reward {s.reward:.3f}\n  prompt:   {prompt!r}\n  response: {response!r}")
+    return "\n".join(blocks)
+
+
+def _short(path: str) -> str:
+    """`path` relative to the working directory when it lies under it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
 
 
 @dataclass
@@ -48,7 +86,11 @@ class GRPOTrainer:
         self.refitter = make_refitter(policy, engine, cfg.policy.generation)
         self.state = GRPOState()
         self.timer = Timer()
-        self.history: list[dict[str, float]] = []  # per-step metrics, for callers and tests
+        self.history: list[dict[str, float]] = []  # per-step metrics of this process's steps
+        self.val_history: list[tuple[int, float]] = []  # (step, val accuracy) of this process's validations
+        self.resumed_at: Optional[int] = None  # the step a resumed run started from
+        self.last_checkpoint: Optional[str] = None  # the newest checkpoint written (or resumed from)
+        self.plot_path: Optional[str] = None  # the reward plot, once close() drew it
 
     # ------------------------------------------------------------------------------------------ rollouts
     def _rollout(self, datums, seed: int, greedy: bool = False) -> list[Sample]:
@@ -153,12 +195,12 @@ class GRPOTrainer:
         return metrics
 
     def _env_metrics(self, batch: dict) -> dict[str, float]:
+        """Each task's environment reports metrics on the rows of its own task only (env_metric_views)."""
         import ray
 
-        envs = {id(e): e for e in self.task_to_env.values()}.values()
-        view = {k: batch[k] for k in ("rewards", "text", "response_lengths", "prompt_lengths", "truncated")}
-        view["num_generations_per_prompt"] = self.cfg.grpo.num_generations_per_prompt
-        results = ray.get([e.global_post_process_and_metrics.remote(view) for e in envs])
+        views = env_metric_views(batch, self.cfg.grpo.num_generations_per_prompt)
+        results = ray.get([self.task_to_env[task].global_post_process_and_metrics.remote(view)
+                           for task, view in views.items()])
         return {k: v for _, m in results for k, v in m.items()}
 
     def refit(self) -> dict[str, float]:
@@ -173,17 +215,32 @@ class GRPOTrainer:
         """Greedy decoding of up to grpo.max_val_samples validation prompts: val/accuracy = mean reward."""
         g = self.cfg.grpo
         datums = self.val_datums[: g.max_val_samples]
-        rewards, lengths = [], []
+        if not datums:  # grpo.max_val_samples=0
+            return {}
+        samples: list[Sample] = []
         with self._generation_phase():
             for start in range(0, len(datums), g.val_batch_size):
-                samples = self._rollout(datums[start : start + g.val_batch_size], seed=g.seed, greedy=True)
-                rewards += [s.reward for s in samples]
-                lengths += [s.response_length for s in samples]
+                samples += self._rollout(datums[start : start + g.val_batch_size], seed=g.seed, greedy=True)
+        rewards, lengths = [s.reward for s in samples], [s.response_length for s in samples]
         metrics = {"accuracy": sum(rewards) / len(rewards), "mean_response_length": sum(lengths) / len(lengths),
                    "num_samples": float(len(rewards))}
         self.state.val_metrics = metrics
+        self.val_history.append((self.state.step, metrics["accuracy"]))
         self.logger.log_metrics(metrics, self.state.step, prefix="val")
+        self._print_samples(samples)
         return metrics
+
+    def _print_samples(self, samples: list[Sample]) -> None:
+        """logger.num_val_samples_to_print generations as text: to the logger's log_text (which logs them to
+        the console too), else to the console."""
+        n = min(self.cfg.logger.num_val_samples_to_print, len(samples))
+        if n == 0:
+            return
+        text = format_samples(samples, n)
+        if hasattr(self.logger, "log_text"):
+            self.logger.log_text("val/samples", text, self.state.step)
+        else:
+            log.info("validation samples at step %d:\n%s", self.state.step, text)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save(self) -> str:
@@ -191,7 +248,8 @@ class GRPOTrainer:
                 "loader": self.state.loader, "metrics": {f"val:{k}": v for k, v in self.state.val_metrics.items()}}
         tmp = self.checkpointer.init_tmp_checkpoint(self.state.step, info, to_yaml(self.cfg))
         self.policy.save_checkpoint(os.path.join(tmp, "policy"))
-        return self.checkpointer.finalize_checkpoint(tmp)
+        self.last_checkpoint = self.checkpointer.finalize_checkpoint(tmp)
+        return self.last_checkpoint
 
     def maybe_resume(self) -> Optional[str]:
         """Continue from the newest checkpoint when checkpointing.resume allows; returns its path."""
@@ -205,37 +263,64 @@ class GRPOTrainer:
                                val_metrics={k[len("val:"):]: v for k, v in info.get("metrics", {}).items()})
         self.loader.load_state_dict(info["loader"])
         self.refit()
+        self.resumed_at, self.last_checkpoint = self.state.step, path
         log.info("resumed from %s at step %d", path, self.state.step)
         return path
 
     # ------------------------------------------------------------------------------------------ the loop
+    def _epochs_done(self) -> bool:
+        """The prompt loader has passed over the training prompts grpo.max_num_epochs times."""
+        return self.loader.epochs_done >= self.cfg.grpo.max_num_epochs
+
     def run(self) -> list[dict[str, float]]:
         cfg, g = self.cfg, self.cfg.grpo
         self.maybe_resume()
         if g.val_at_start and self.state.step == 0 and self.val_datums:
             self.validate()
         self.logger.start_progress(g.max_num_steps, self.state.step)
-        while self.state.step < g.max_num_steps:
+        while self.state.step < g.max_num_steps and not self._epochs_done():
             metrics = self.train_step()
             step = self.state.step
             timings = {k: v for k, v in self.timer.get_timing_metrics().items()}
             self.logger.log_metrics(metrics, step, prefix="train")
             self.logger.log_metrics(timings, step, prefix="timing")
             self.history.append({**metrics, **{f"timing/{k}": v for k, v in timings.items()}})
-            last = step == g.max_num_steps
+            last = step == g.max_num_steps or self._epochs_done()
             if self.val_datums and ((g.val_period and step % g.val_period == 0) or (last and g.val_at_end)):
                 self.validate()
             self.logger.update_progress(step, metrics["reward"], timings)
             if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last):
                 self.save()
+        if self.state.step < g.max_num_steps:
+            log.info("stopped at step %d of %d: the training prompts were seen %d times (grpo.max_num_epochs)",
+                     self.state.step, g.max_num_steps, self.loader.epochs_done)
         return self.history
+
+    def summary(self) -> str:
+        """One line for the end of a run: steps, mean train reward at the first and last step run by this
+        process, the best validation accuracy of this process and its step, the checkpoint and plot paths."""
+        head = f"done: {self.state.step} steps"
+        if self.resumed_at is not None:
+            head += f" (resumed at step {self.resumed_at})"
+        parts = [head]
+        if self.history:
+            parts.append(f"reward {self.history[0]['reward']:.2f} -> {self.history[-1]['reward']:.2f}")
+        if self.val_history:
+            best = max(acc for _, acc in self.val_history)
+            step = min(s for s, acc in self.val_history if acc == best)
+            parts.append(f"best val:accuracy {best:.2f} at step {step}")
+        parts.append(f"checkpoint {_short(self.last_checkpoint)}" if self.last_checkpoint else
+                     "checkpoint none" + ("" if self.cfg.checkpointing.enabled else " (checkpointing.enabled=false)"))
+        if self.plot_path:
+            parts.append(f"plot {_short(self.plot_path)}")
+        return " | ".join(parts)
 
     def close(self) -> None:
         import ray
 
         self.logger.close()
         if self.cfg.logger.plot:
-            self.logger.save_plot()
+            self.plot_path = self.logger.save_plot()
         for env in {id(e): e for e in self.task_to_env.values()}.values():
             ray.get(env.shutdown.remote())
         self.engine.shutdown()

@@ -102,7 +102,7 @@ class CodeEnvironment(EnvironmentInterface):
         if "namespaces" not in modes:
             logging.getLogger(__name__).warning(
                 "CodeEnvironment: the sandbox runs with REDUCED isolation (%s); see nemo_grpo/envs/sandbox.py", modes)
-        self._counts = {"timeouts": 0, "errors": 0, "syntax_errors": 0, "solved": 0, "evaluated": 0}
+        self._counts = {"timeouts": 0, "errors": 0, "syntax_errors": 0}  # since the last metrics call
 
     def step(self, message_logs: list[MessageLog], env_infos: list[dict[str, Any]]) -> EnvironmentReturn:
         import ray
@@ -137,23 +137,23 @@ class CodeEnvironment(EnvironmentInterface):
 
     def _reward(self, result: dict[str, Any]) -> float:
         c = self._counts
-        c["evaluated"] += 1
         c["timeouts"] += result["timeouts"]
         c["errors"] += result["errors"]
         c["syntax_errors"] += int(result["syntax_error"])
-        solved = result["passed"] == result["total"]
-        c["solved"] += int(solved)
         if self.cfg.reward_mode == "all_or_nothing":
-            return float(solved)
+            return float(result["passed"] == result["total"])
         return result["passed"] / result["total"]
 
     def global_post_process_and_metrics(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
-        rewards = torch.as_tensor(batch["rewards"], dtype=torch.float32)
-        c, evaluated = self._counts, max(1, self._counts["evaluated"])
-        metrics = {"pass_rate": float(rewards.mean()) if rewards.numel() else 0.0,
-                   "accuracy": c["solved"] / evaluated, "timeouts": float(c["timeouts"]),
-                   "errors": float(c["errors"]), "syntax_errors": float(c["syntax_errors"]),
-                   "num_samples": float(rewards.numel())}
+        """code/pass_rate (mean reward) and code/accuracy (fraction of samples that passed every case) over the
+        batch's samples; code/{timeouts, errors, syntax_errors}: counts over the programs this environment
+        evaluated since the previous call (validation rollouts in between included)."""
+        rewards = torch.as_tensor(batch["rewards"], dtype=torch.float32).reshape(-1)  # [N]
+        c, n = self._counts, rewards.numel()
+        metrics = {"pass_rate": float(rewards.mean()) if n else 0.0,
+                   "accuracy": float((rewards >= 1.0).float().mean()) if n else 0.0,
+                   "timeouts": float(c["timeouts"]), "errors": float(c["errors"]),
+                   "syntax_errors": float(c["syntax_errors"]), "num_samples": float(n)}
         self._counts = dict.fromkeys(c, 0)
         return batch, {f"code/{k}": v for k, v in metrics.items()}
 

@@ -44,8 +44,9 @@ class EnvironmentInterface(ABC):
     def global_post_process_and_metrics(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
         """After all rollouts of a step: batch (possibly modified) and metrics named `<env>/<metric>`.
 
-        batch holds at least "rewards" [N], "text" (N response strings), "num_generations_per_prompt",
-        "response_lengths" [N], "prompt_lengths" [N], "truncated" [N] bool.
+        batch holds the step's samples of this environment's task only (whole groups, in batch order; other
+        tasks' samples go to their own environments): at least "rewards" [N], "text" (N response strings),
+        "num_generations_per_prompt", "response_lengths" [N], "prompt_lengths" [N], "truncated" [N] bool.
         """
 
     def shutdown(self) -> None:
