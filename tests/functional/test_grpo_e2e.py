@@ -4,14 +4,15 @@ against a reward model trained here raises that model's reward; the code recipe 
 import os
 
 import pytest
-from train_runs import builtin_model_cache, read_metrics, run_module, run_train  # noqa: F401 (autouse fixture)
+from train_runs import (assert_quiet_console, builtin_model_cache, read_metrics, run_module,  # noqa: F401
+                        run_train, summary)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["dtensor", "megatron"])
 def test_default_recipe_learns(tmp_path, backend):
     """The issue's criterion: mean reward of the last 10 steps >= first 10 + 0.3, fixed seed; on each back end."""
-    run_train(tmp_path, f"policy.backend={backend}")
+    proc = run_train(tmp_path, f"policy.backend={backend}")
     train = read_metrics(f"{tmp_path}/logs", "train")
     rewards = [r["reward"] for r in train]
     assert len(rewards) == 400
@@ -20,6 +21,15 @@ def test_default_recipe_learns(tmp_path, backend):
     assert last - first >= 0.3, (first, last)
     val = read_metrics(f"{tmp_path}/logs", "val")
     assert val[-1]["accuracy"] > val[0]["accuracy"]
+    # the console: our progress only (vLLM's warnings stay in Ray's session logs), then the summary line
+    assert_quiet_console(proc)
+    done = summary(proc)
+    best = max(v["accuracy"] for v in val)
+    assert done["steps"] == "400" and float(done["first"]) == round(rewards[0], 2)
+    assert float(done["best"]) == round(best, 2)
+    assert int(done["best_step"]) == min(v["step"] for v in val if v["accuracy"] == best)
+    assert done["checkpoint"].endswith("ckpt/step_400") and done["plot"].endswith("logs/reward.png")
+    assert os.path.getsize(f"{tmp_path}/logs/run.log") > 0
     # mismatch metrics: the engine samples from the policy it was refit with (fp32, same kernels)
     assert all(abs(r["token_mult_prob_error"] - 1.0) < 1e-3 for r in train)
     assert os.path.isfile(f"{tmp_path}/logs/reward.png")
@@ -33,8 +43,8 @@ def test_kill_and_resume_continues_exactly(tmp_path):
               "policy.generation.backend=torch"]  # the fallback engine, end to end (the learning test uses vLLM)
     straight, split = tmp_path / "straight", tmp_path / "split"
     run_train(straight, "grpo.max_num_steps=4", *common)
-    run_train(split, "grpo.max_num_steps=2", *common)
-    run_train(split, "grpo.max_num_steps=4", *common)
+    first = run_train(split, "grpo.max_num_steps=2", *common)
+    resumed = run_train(split, "grpo.max_num_steps=4", *common)
     a = read_metrics(f"{straight}/logs", "train")
     b = read_metrics(f"{split}/logs", "train")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
@@ -42,6 +52,12 @@ def test_kill_and_resume_continues_exactly(tmp_path):
         for ra, rb in zip(a[2:], b[2:]):
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-6), (key, ra["step"])
     assert sorted(os.listdir(f"{split}/ckpt")) == ["step_2", "step_4"]
+    # each run's summary line: its own steps and rewards, the checkpoint it ended on
+    assert summary(first)["steps"] == "2" and summary(first)["checkpoint"].endswith("ckpt/step_2")
+    done = summary(resumed)
+    assert (done["steps"], done["resumed_at"]) == ("4", "2") and done["checkpoint"].endswith("ckpt/step_4")
+    assert (float(done["first"]), float(done["last"])) == (round(b[2]["reward"], 2), round(b[3]["reward"], 2))
+    assert_quiet_console(resumed)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -47,3 +48,26 @@ def read_metrics(log_dir, prefix):
     """The rows of log_dir/metrics.jsonl logged under `prefix` ("train", "val", "timing"), in order."""
     rows = [json.loads(line) for line in open(os.path.join(log_dir, "metrics.jsonl"))]
     return [r for r in rows if r["prefix"] == prefix]
+
+
+# the line a finished `python -m nemo_grpo.train` prints last on stdout (GRPOTrainer.summary)
+SUMMARY = re.compile(r"done: (?P<steps>\d+) steps(?: \(resumed at step (?P<resumed_at>\d+)\))?"
+                     r"(?: \| reward (?P<first>[\d.]+) -> (?P<last>[\d.]+))?"
+                     r"(?: \| best val:accuracy (?P<best>[\d.]+) at step (?P<best_step>\d+))?"
+                     r" \| checkpoint (?P<checkpoint>\S+)(?: \([^)]*\))?(?: \| plot (?P<plot>\S+))?")
+# Ray's prefix on a line a worker printed, forwarded to the driver: "(VllmGenerationWorker pid=4584) ..."
+WORKER_LINE = re.compile(r"^\S*\((\w+) pid=\d+\)", re.MULTILINE)
+
+
+def summary(proc) -> dict:
+    """The fields of the run's summary line (the last line on stdout); an AssertionError if there is none."""
+    lines = proc.stdout.strip().splitlines()
+    match = SUMMARY.fullmatch(lines[-1]) if lines else None
+    assert match, "no summary line at the end of stdout:\n" + proc.stdout[-2000:]
+    return match.groupdict()
+
+
+def assert_quiet_console(proc) -> None:
+    """Without --verbose the console carries no forwarded worker output (it stays in Ray's session logs)."""
+    forwarded = WORKER_LINE.findall(proc.stderr + proc.stdout)
+    assert not forwarded, f"worker output on the console from {sorted(set(forwarded))}:\n" + proc.stderr[-3000:]
