@@ -24,6 +24,8 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from nemo_grpo.config import to_dict, to_yaml
+
 log = logging.getLogger(__name__)
 
 

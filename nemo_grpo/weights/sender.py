@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from nemo_grpo.weights import transfer as wt
-from nemo_grpo.weights.transfer import TensorSpec, plan_buckets
+from nemo_grpo.weights.transfer import plan_buckets
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
