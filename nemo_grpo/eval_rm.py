@@ -18,27 +18,26 @@ import logging
 import sys
 from typing import Optional
 
-from nemo_grpo.errors import UserInputError
+from nemo_grpo.utils.cli import run_main
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nemo_grpo.eval_rm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML with a reward_model section (and data_path)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. reward_model.model_name=DIR")
+    return run_main(eval_rm, parser.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def eval_rm(args: argparse.Namespace) -> int:
     from nemo_grpo.algorithms.reward_model import evaluate
     from nemo_grpo.data.preferences import read_preference_pairs
     from nemo_grpo.distributed.cluster import init_ray
     from nemo_grpo.validation import load_rm_eval_config
 
-    parser = argparse.ArgumentParser(prog="python -m nemo_grpo.eval_rm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML with a reward_model section (and data_path)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. reward_model.model_name=DIR")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING)
-    try:
-        cfg = load_rm_eval_config(args.config, args.overrides)
-        pairs = read_preference_pairs(cfg.data_path)
-    except UserInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_rm_eval_config(args.config, args.overrides)
+    pairs = read_preference_pairs(cfg.data_path)
     r = cfg.reward_model
     init_ray()
     results = evaluate(r, pairs, num_workers=(r.resources.gpus_per_node or 1) * (r.resources.num_nodes or 1))

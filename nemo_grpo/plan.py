@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nemo_grpo.errors import ConfigError
+from nemo_grpo.utils.cli import run_main
 from nemo_grpo.validation import load_config
 
 
@@ -31,12 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nemo_grpo.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="YAML recipe (configs/*.yaml); defaults to the tiny CPU recipe")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cluster.num_nodes=16")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg, resources, memory = plan_recipe(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_main(plan, parser.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def plan(args: argparse.Namespace) -> int:
+    cfg, resources, memory = plan_recipe(args.config, args.overrides)
     c = cfg.cluster
     print(f"cluster: {c.num_nodes} node(s) x {c.gpus_per_node} GPUs of {c.gpu_memory_gib:g} GiB\n"
           f"{resources.describe()}\n\n{memory.table()}")

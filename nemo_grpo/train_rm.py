@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Optional
 
-from nemo_grpo.errors import UserInputError
+from nemo_grpo.utils.cli import run_main
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -22,17 +22,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML recipe (e.g. configs/rm_tiny_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rm.max_num_steps=10")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_main(train_rm, parser.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def train_rm(args: argparse.Namespace) -> int:
     from nemo_grpo.algorithms.reward_model import RewardModelTrainer
     from nemo_grpo.validation import load_rm_train_config
 
-    try:
-        cfg = load_rm_train_config(args.config, args.overrides)
-        trainer = RewardModelTrainer(cfg)
-    except UserInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_rm_train_config(args.config, args.overrides)
+    trainer = RewardModelTrainer(cfg)
     try:
         val = trainer.run()
     finally:
