@@ -36,20 +36,23 @@ def tokenize(pairs: list[dict], tokenizer) -> list[tuple[list[int], list[int]]]:
             for p in pairs]
 
 
-def train_and_validate(path: str, backend: str, overrides: dict) -> tuple[list[float], float]:
+def train_and_validate(path: str, backend: str, overrides: dict) -> tuple[list[float], list[float], float]:
+    """(loss per step, pre-clip gradient norm per step, validation pair accuracy)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     train = tokenize(marker_pairs(STEPS * PAIRS_PER_STEP, seed=0), tokenizer)
     val = tokenize(marker_pairs(32, seed=1), tokenizer)
     cfg = policy_config(path, backend=backend, train_global_batch_size=2 * PAIRS_PER_STEP,
                         train_micro_batch_size=4, logprob_batch_size=16, max_grad_norm=1.0, **overrides)
     cfg.optimizer.lr, cfg.optimizer.warmup_steps = 3e-3, 0
-    losses = []
+    losses, norms = [], []
     with Policy(cfg, CLUSTER, path, scalar_head=True) as rm:
         for step in range(STEPS):
             chunk = train[step * PAIRS_PER_STEP:(step + 1) * PAIRS_PER_STEP]
-            losses.append(rm.train(pair_batch(chunk, tokenizer.pad_token_id), BradleyTerryLoss())["loss"])
+            metrics = rm.train(pair_batch(chunk, tokenizer.pad_token_id), BradleyTerryLoss())
+            losses.append(metrics["loss"])
+            norms.append(metrics["grad_norm"])
         scores = rm.score(right_padded([ids for pair in val for ids in pair], tokenizer.pad_token_id))
-    return losses, float(pair_accuracy(scores).mean())
+    return losses, norms, float(pair_accuracy(scores).mean())
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +64,22 @@ def bt_runs(ray_cluster, tiny_model_dir):
 
 @pytest.mark.parametrize("backend", ["dtensor", "megatron"])
 def test_bradley_terry_learns_the_preference(bt_runs, backend):
-    losses, accuracy = bt_runs[backend]
+    losses, _, accuracy = bt_runs[backend]
     assert accuracy >= 0.9, accuracy
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2, losses
 
 
-def test_back_ends_take_the_same_steps(bt_runs):
-    """DTensor FSDP2 dp=2 vs Megatron TP=2, same weights, batches and optimizer: the loss step by step over
-    the first 10 steps (measured <= 1.2e-5). Later the float rounding of the two reduction orders is amplified
-    by Adam at this learning rate (1e-4 at step 11, 1e-2 by step 14) while both still learn."""
-    dtensor, megatron = bt_runs["dtensor"][0][:10], bt_runs["megatron"][0][:10]
-    assert max(abs(a - b) for a, b in zip(dtensor, megatron)) <= 1e-4, list(zip(dtensor, megatron))
+def test_back_ends_take_the_same_first_step(bt_runs):
+    """DTensor FSDP2 dp=2 vs Megatron TP=2 from the same weights on the same batch: the first step's loss and
+    pre-clip gradient norm, both pure functions of those weights, agree to float32 rounding. The two sum in
+    different orders (TP-sharded matmuls and all-reduces vs FSDP's reduce-scatter), a relative error of a few
+    ulps per reduction over a 2-layer model: ~1e-7 measured, bounded here by 1e-5 relative. Later steps are
+    not compared: Adam's first update is g / (|g| + eps), so gradient elements near eps turn rounding into a
+    +-lr difference, which then grows step by step on any CPU (1e-4 by step 11 on one, by step 10 on another);
+    both back ends' learning is asserted on its own above."""
+    (dt_loss, dt_norm, _), (mc_loss, mc_norm, _) = bt_runs["dtensor"], bt_runs["megatron"]
+    assert mc_loss[0] == pytest.approx(dt_loss[0], rel=1e-5, abs=1e-7)
+    assert mc_norm[0] == pytest.approx(dt_norm[0], rel=1e-5, abs=1e-7)
 
 
 def test_loss_matches_hand_computation():
