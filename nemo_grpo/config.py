@@ -360,9 +360,10 @@ def _read_yaml(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     except UnicodeDecodeError as e:
-        line = 1 + open(path, "rb").read()[: e.start].count(b"\n")
-        raise ConfigError(f"--config: {path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
-                          f"{e.start}); save the recipe as UTF-8") from None
+        before = open(path, "rb").read()[: e.start]
+        line, column = 1 + before.count(b"\n"), e.start - before.rfind(b"\n")
+        raise ConfigError(f"--config: {path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at column "
+                          f"{column}); save the recipe as UTF-8") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config: {path} is not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
