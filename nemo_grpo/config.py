@@ -118,17 +118,28 @@ class PolicyConfig:
 # ----------------------------------------------------------------------------------------------- loss / grpo
 @dataclass
 class LossConfig:
+    """loss_fn: the policy loss, by registered name, and its options (NeMo RL's ClippedPGLossConfig keys)."""
+    name: str = "clipped_pg"  # registered loss (algorithms/losses.py LOSSES)
     reference_policy_kl_penalty: float = 0.0  # beta; 0 disables the reference model entirely
-    reference_policy_kl_type: str = "k3"  # k1 | k2 | k3
-    kl_input_clamp_value: Optional[float] = 20.0  # clamp log-ratio before the estimator
-    kl_output_clamp_value: Optional[float] = 10.0  # clamp the per-token KL after it
+    reference_policy_kl_type: str = "k3"  # k1 | k2 | k3: each one's gradient follows KL(pi || pi_ref)
+    kl_input_clamp_value: Optional[float] = 20.0  # clamp log-ratios (KL and its weight) before exp
+    kl_output_clamp_value: Optional[float] = 10.0  # clamp each token's weighted KL term
+    use_kl_in_reward: bool = False  # the sequence KL (beta x sum over tokens) is taken off the reward, not a loss term
     ratio_clip_min: float = 0.2  # epsilon_low: ratio clipped to [1 - ratio_clip_min, 1 + ratio_clip_max]
     ratio_clip_max: float = 0.2  # epsilon_high (DAPO clip-higher when > ratio_clip_min)
     ratio_clip_c: Optional[float] = None  # dual clip (Ye et al. 2019), must be > 1
-    use_on_policy_kl_approximation: bool = False
-    use_importance_sampling_correction: bool = False
-    truncated_importance_sampling_ratio: Optional[float] = None  # cap on the IS weight when correcting
+    disable_ppo_ratio: bool = False  # REINFORCE: -A x logp, no ratio, no clip (RLOO with the leave-one-out baseline)
+    force_on_policy_ratio: bool = False  # ratio = 1 (value) with the gradient of logp: one update per rollout
+    sequence_level_importance_ratios: bool = False  # GSPO: one length-normalised ratio per sequence, clipped
+    use_cispo: bool = False  # CISPO: -A x stop_grad(clip(ratio)) x logp
+    use_on_policy_kl_approximation: bool = False  # weight the KL by pi / pi_gen (samples come from the engine)
+    use_importance_sampling_correction: bool = False  # weight the actor loss by pi_old / pi_gen
+    truncated_importance_sampling_type: Optional[str] = None  # tis | icepop | seq-mask-tis (null: tis if a ratio is set)
+    truncated_importance_sampling_ratio: Optional[float] = None  # upper bound of the IS weight
+    truncated_importance_sampling_ratio_min: Optional[float] = None  # lower bound (icepop, seq-mask-tis; tis: 0)
     token_level_loss: bool = True  # false: mean over tokens of each sample, then over samples
+    # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (Dr.GRPO); null: from token_level_loss
+    loss_aggregation: Optional[str] = None
 
 
 @dataclass
@@ -138,6 +149,27 @@ class RewardScalingConfig:
     source_max: float = 1.0
     target_min: float = 0.0
     target_max: float = 1.0
+
+
+@dataclass
+class RewardShapingConfig:
+    """grpo.reward_shaping: DAPO's soft overlong penalty, and a penalty for samples that never stop."""
+    enabled: bool = False
+    # DAPO: past max_response_length - overlong_buffer_length tokens, the reward falls linearly, by
+    # overlong_buffer_penalty at max_response_length (and further beyond it)
+    overlong_buffer_length: Optional[int] = None
+    overlong_buffer_penalty: Optional[float] = None
+    max_response_length: Optional[int] = None  # null: policy.generation.max_new_tokens x grpo.max_rollout_turns
+    # a truncated sample's reward is multiplied by this (0: no reward for never stopping; 1: no penalty)
+    stop_properly_penalty_coef: Optional[float] = None
+
+
+@dataclass
+class AdvEstimatorConfig:
+    """grpo.adv_estimator: how rewards become advantages (algorithms/advantages.py ESTIMATORS)."""
+    name: str = "grpo"  # grpo | reinforce_plus_plus | gdpo
+    minus_baseline: bool = True  # reinforce_plus_plus: subtract the group mean before the batch normalisation
+    reward_weights: Optional[list[float]] = None  # gdpo: one weight per reward component, in sorted name order
 
 
 @dataclass
@@ -160,6 +192,10 @@ class GRPOConfig:
     dynamic_sampling_max_gen_batches: int = 10
     batch_multiplier: float = 1.0  # prompts drawn per generation batch under dynamic sampling
     reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig)
+    reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
+    adv_estimator: AdvEstimatorConfig = field(default_factory=AdvEstimatorConfig)
+    advantage_clip_low: Optional[float] = None  # advantages clamped to [low, high] after the estimator
+    advantage_clip_high: Optional[float] = None
 
 
 # ----------------------------------------------------------------------------------------------- env / data

@@ -15,3 +15,14 @@ class ConfigError(UserInputError):
 
 class DataError(UserInputError):
     """A data file or data set that cannot be used as configured; the message names the file (and line)."""
+
+
+def require(ok: bool, key: str, msg: str) -> None:
+    """Raise ConfigError naming config key `key` unless ok."""
+    if not ok:
+        raise ConfigError(f"config key '{key}': {msg}")
+
+
+def require_choice(value, key: str, allowed) -> None:
+    """Raise ConfigError naming `key` unless value is one of `allowed` (which the message lists)."""
+    require(value in allowed, key, f"got {value!r}; allowed: {', '.join(map(str, allowed))}")

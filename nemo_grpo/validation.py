@@ -15,9 +15,11 @@ import importlib.util
 import os
 from typing import Any, Optional
 
-from nemo_grpo.config import (BUILTIN_MODEL_PREFIX, DatasetConfig, LossConfig, MasterConfig, PolicyConfig,
+from nemo_grpo.config import (BUILTIN_MODEL_PREFIX, DatasetConfig, MasterConfig, PolicyConfig,
                               RewardModelEnvConfig, RMEvalConfig, RMTrainConfig, read_config)
 from nemo_grpo.errors import ConfigError
+from nemo_grpo.errors import require as _need
+from nemo_grpo.errors import require_choice as _choice
 from nemo_grpo.layout import ParallelLayout, check_inactive_degrees, policy_layout
 
 PRECISIONS = ["float32", "bfloat16"]
@@ -49,15 +51,6 @@ def load_rm_eval_config(path: Optional[str] = None, overrides: Optional[list[str
 
 
 # ----------------------------------------------------------------------------------------------- small rules
-def _need(ok: bool, key: str, msg: str) -> None:
-    if not ok:
-        raise ConfigError(f"config key '{key}': {msg}")
-
-
-def _choice(value: Any, key: str, allowed) -> None:
-    _need(value in allowed, key, f"got {value!r}; allowed: {', '.join(map(str, allowed))}")
-
-
 def _positive(value, key: str, nullable: bool = False) -> None:
     _need((nullable and value is None) or (value is not None and value > 0), key,
           f"must be > 0{' or null' if nullable else ''}, got {value}")
@@ -106,7 +99,7 @@ def validate(cfg: MasterConfig, files: bool = True) -> None:
           f"grpo.max_rollout_turns ({cfg.grpo.max_rollout_turns}) = {total}")
     _validate_generation(cfg.policy.generation)
     _validate_batches(cfg, layout_of(cfg))
-    _validate_loss(cfg.loss_fn)
+    _validate_loss(cfg)
     _validate_data_env(cfg, files)
 
 
@@ -171,16 +164,11 @@ def _validate_batches(cfg: MasterConfig, layout: ParallelLayout) -> None:
           f"data-parallel size = {p.train_global_batch_size} / {dp} = {per_rank}")
 
 
-def _validate_loss(l: LossConfig) -> None:
-    _choice(l.reference_policy_kl_type, "loss_fn.reference_policy_kl_type", ["k1", "k2", "k3"])
-    _need(l.reference_policy_kl_penalty >= 0, "loss_fn.reference_policy_kl_penalty", "must be >= 0")
-    _need(0 <= l.ratio_clip_min < 1, "loss_fn.ratio_clip_min", f"must be in [0, 1), got {l.ratio_clip_min}")
-    _need(l.ratio_clip_max >= 0, "loss_fn.ratio_clip_max", f"must be >= 0, got {l.ratio_clip_max}")
-    _need(l.ratio_clip_c is None or l.ratio_clip_c > 1, "loss_fn.ratio_clip_c",
-          f"dual-clip constant must be > 1 (usually 3) or null, got {l.ratio_clip_c}")
-    _positive(l.truncated_importance_sampling_ratio, "loss_fn.truncated_importance_sampling_ratio", nullable=True)
-    _need(l.truncated_importance_sampling_ratio is None or l.use_importance_sampling_correction,
-          "loss_fn.truncated_importance_sampling_ratio", "needs loss_fn.use_importance_sampling_correction=true")
+def _validate_loss(cfg: MasterConfig) -> None:
+    from nemo_grpo.algorithms.losses import LOSSES, check_loss_config
+
+    _choice(cfg.loss_fn.name, "loss_fn.name", sorted(LOSSES))
+    check_loss_config(cfg.loss_fn)
 
 
 def _validate_grpo(cfg: MasterConfig) -> None:
@@ -199,10 +187,49 @@ def _validate_grpo(cfg: MasterConfig) -> None:
     _need(g.batch_multiplier >= 1, "grpo.batch_multiplier", "must be >= 1")
     r = g.reward_scaling
     _need(r.source_max > r.source_min, "grpo.reward_scaling.source_max", "must be > source_min")
+    _validate_advantages(cfg)
+    _validate_reward_shaping(cfg)
     ck = cfg.checkpointing
     _positive(ck.save_period, "checkpointing.save_period")
     _positive(ck.keep_top_k, "checkpointing.keep_top_k", nullable=True)
     _need(cfg.logger.num_val_samples_to_print >= 0, "logger.num_val_samples_to_print", "must be >= 0")
+
+
+def _validate_advantages(cfg: MasterConfig) -> None:
+    from nemo_grpo.algorithms.advantages import ESTIMATORS
+
+    g, est = cfg.grpo, cfg.grpo.adv_estimator
+    _choice(est.name, "grpo.adv_estimator.name", sorted(ESTIMATORS))
+    lo, hi = g.advantage_clip_low, g.advantage_clip_high
+    _need(lo is None or lo <= 0, "grpo.advantage_clip_low", f"must be <= 0 or null, got {lo}")
+    _need(hi is None or hi >= 0, "grpo.advantage_clip_high", f"must be >= 0 or null, got {hi}")
+    _need(est.reward_weights is None or est.name == "gdpo", "grpo.adv_estimator.reward_weights",
+          f"weighs gdpo's reward components; grpo.adv_estimator.name is {est.name!r}")
+    if est.name == "gdpo":
+        _need(not g.reward_shaping.enabled, "grpo.reward_shaping.enabled",
+              "gdpo normalises each reward component, so a penalty on the summed reward would be lost: "
+              "return the penalty as a component of its own, or use grpo.adv_estimator.name=grpo")
+        _need(not cfg.loss_fn.use_kl_in_reward, "loss_fn.use_kl_in_reward",
+              "gdpo normalises each reward component; keep the KL in the loss (use_kl_in_reward=false)")
+
+
+def _validate_reward_shaping(cfg: MasterConfig) -> None:
+    r, key = cfg.grpo.reward_shaping, "grpo.reward_shaping."
+    if not r.enabled:
+        return
+    overlong = (r.overlong_buffer_length, r.overlong_buffer_penalty)
+    _need(r.stop_properly_penalty_coef is not None or r.overlong_buffer_length is not None, key + "enabled",
+          "is true but neither stop_properly_penalty_coef nor overlong_buffer_length is set")
+    _need(r.stop_properly_penalty_coef is None or 0 <= r.stop_properly_penalty_coef <= 1,
+          key + "stop_properly_penalty_coef", f"must be in [0, 1], got {r.stop_properly_penalty_coef}")
+    if any(v is not None for v in overlong):
+        _need(all(v is not None for v in overlong), key + "overlong_buffer_length",
+              "overlong_buffer_length and overlong_buffer_penalty go together: set both")
+        limit = r.max_response_length or cfg.policy.generation.max_new_tokens * cfg.grpo.max_rollout_turns
+        _need(0 < r.overlong_buffer_length <= limit, key + "overlong_buffer_length",
+              f"must be in [1, max_response_length = {limit}], got {r.overlong_buffer_length}")
+        _need(r.overlong_buffer_penalty >= 0, key + "overlong_buffer_penalty",
+              f"must be >= 0, got {r.overlong_buffer_penalty}")
 
 
 def _validate_data_env(cfg: MasterConfig, files: bool) -> None:

@@ -1,4 +1,5 @@
-"""Group-relative advantages (GRPO), reward scaling, and the DAPO dynamic-sampling filter.
+"""Advantage estimators (GRPO, REINFORCE++, GDPO) by name, reward shaping and scaling, advantage clipping,
+and the DAPO dynamic-sampling filter.
 
 Pure tensor functions. Rewards come in contiguous groups: samples i*G .. (i+1)*G-1 are the G responses
 to prompt i (G = grpo.num_generations_per_prompt).
@@ -20,7 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from nemo_grpo.config import RewardScalingConfig
+from typing import Callable, Optional
+
+from nemo_grpo.config import GRPOConfig, RewardScalingConfig, RewardShapingConfig
+from nemo_grpo.errors import ConfigError
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -92,7 +96,8 @@ def compute_advantages(
     r = _grouped(rewards, group_size)  # [n, G]
     if use_leave_one_out_baseline:
         if group_size < 2:
-            raise ValueError(f"the leave-one-out baseline needs group_size >= 2, got {group_size}")
+            raise ValueError(f"the leave-one-out baseline needs group_size >= 2, got {group_size}: set "
+                             f"grpo.num_generations_per_prompt >= 2, or grpo.use_leave_one_out_baseline=false")
         baseline, std = _leave_one_out_mean_std(r)
     else:
         baseline, std = _group_mean_std(r)
@@ -123,3 +128,109 @@ def dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.Tenso
     Takes the rewards (not the std): equality is tested exactly, so a constant group is always dropped.
     """
     return ~_all_equal(_grouped(rewards, group_size), dim=1)
+
+
+def shape_rewards(rewards: torch.Tensor, response_lengths: torch.Tensor, truncated: torch.Tensor,
+                  cfg: RewardShapingConfig, max_response_length: int) -> torch.Tensor:
+    """grpo.reward_shaping applied to rewards [N] (response_lengths [N] generated tokens, truncated [N] bool).
+
+    - stop_properly_penalty_coef = c: a truncated sample's reward becomes c * reward (ProRL v2 / DLER,
+      https://arxiv.org/abs/2510.15110).
+    - DAPO's soft overlong punishment (https://arxiv.org/abs/2503.14476), with L = max_response_length
+      (cfg's, or the argument when cfg's is null), buffer B and penalty P: a response of length l > L - B
+      gets reward - P * (l - (L - B)) / B, i.e. 0 at L - B, -P at L, and falls further beyond.
+    Both apply when both are set (stop-properly first). Returns `rewards` itself when cfg.enabled is false.
+    """
+    if not cfg.enabled:
+        return rewards
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.get_default_dtype()))
+    if cfg.stop_properly_penalty_coef is not None:
+        r = torch.where(truncated.bool(), r * cfg.stop_properly_penalty_coef, r)
+    if cfg.overlong_buffer_length is not None:
+        limit = cfg.max_response_length or max_response_length
+        exceed = response_lengths.to(r.dtype) - (limit - cfg.overlong_buffer_length)
+        r = r + (-exceed / cfg.overlong_buffer_length * cfg.overlong_buffer_penalty).clamp(max=0.0)
+    return r
+
+
+def clip_advantages(adv: torch.Tensor, low: Optional[float], high: Optional[float]) -> torch.Tensor:
+    """Clamp advantages [N] to [low, high] (grpo.advantage_clip_low / _high; None: that side unbounded)."""
+    return adv.clamp(min=low, max=high) if (low is not None or high is not None) else adv
+
+
+def _batch_normalize(adv: torch.Tensor, weights: Optional[torch.Tensor] = None, eps: float = 1e-8) -> torch.Tensor:
+    """(adv - mean) / sqrt(max(var, eps)) over the batch; weights [N] (e.g. each sample's token count) make
+    it the mean and variance over tokens, as when each token carries its sample's advantage."""
+    w = torch.ones_like(adv) if weights is None else weights.to(adv.dtype)
+    total = w.sum()
+    if total <= 0:
+        return torch.zeros_like(adv)
+    mean = (w * adv).sum() / total
+    var = (w * (adv - mean).square()).sum() / total
+    return (adv - mean) * var.clamp(min=eps).rsqrt()
+
+
+# ----------------------------------------------------------------------------------------------- estimators
+# name -> fn(rewards [N], group_size, cfg: GRPOConfig, components: {name: [N]} | None, token_counts [N] | None)
+#         -> advantages [N]
+ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def register_estimator(name: str) -> Callable:
+    """Function decorator: make the estimator selectable as grpo.adv_estimator.name=<name>."""
+
+    def register(fn: Callable) -> Callable:
+        if name in ESTIMATORS:
+            raise ValueError(f"advantage estimator '{name}' is registered twice")
+        ESTIMATORS[name] = fn
+        return fn
+
+    return register
+
+
+def estimate_advantages(rewards: torch.Tensor, group_size: int, cfg: GRPOConfig,
+                        components: Optional[dict[str, torch.Tensor]] = None,
+                        token_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Advantages [N] of rewards [N] by grpo.adv_estimator.name, then clipped to grpo.advantage_clip_*."""
+    name = cfg.adv_estimator.name
+    if name not in ESTIMATORS:
+        raise ConfigError(f"config key 'grpo.adv_estimator.name': unknown estimator '{name}'; known: "
+                          f"{', '.join(sorted(ESTIMATORS))}")
+    adv = ESTIMATORS[name](rewards, group_size, cfg, components, token_counts)
+    return clip_advantages(adv, cfg.advantage_clip_low, cfg.advantage_clip_high)
+
+
+@register_estimator("grpo")
+def grpo_estimator(rewards, group_size, cfg, components=None, token_counts=None) -> torch.Tensor:
+    """GRPO's group-relative advantage (`compute_advantages`; grpo.normalize_rewards and
+    grpo.use_leave_one_out_baseline)."""
+    return compute_advantages(rewards, group_size, cfg.use_leave_one_out_baseline, cfg.normalize_rewards)[0]
+
+
+@register_estimator("reinforce_plus_plus")
+def reinforce_plus_plus_estimator(rewards, group_size, cfg, components=None, token_counts=None) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, https://arxiv.org/abs/2501.03262): the group mean is subtracted when
+    grpo.adv_estimator.minus_baseline (REINFORCE++-baseline), then the advantages are normalised over the
+    whole batch's response tokens (token_counts [N]) rather than within each group."""
+    r = _grouped(rewards, group_size)  # [n, G]
+    adv = (r - r.mean(dim=1, keepdim=True)) if cfg.adv_estimator.minus_baseline else r
+    return _batch_normalize(adv.reshape(-1), token_counts)
+
+
+@register_estimator("gdpo")
+def gdpo_estimator(rewards, group_size, cfg, components=None, token_counts=None) -> torch.Tensor:
+    """GDPO (NeMo RL's multi-reward estimator): each reward component [N] gets its own group-relative
+    advantage (as `grpo_estimator`), they are summed with grpo.adv_estimator.reward_weights (sorted by
+    component name; null: all 1), and the sum is normalised over the batch. Normalising each component
+    within its groups keeps one reward's scale from drowning the others."""
+    names = sorted(components or {})
+    if len(names) < 2:
+        raise ConfigError(f"config key 'grpo.adv_estimator.name': gdpo needs an environment that returns several "
+                          f"reward components (a dict of rewards); this batch has {names or 'a single reward'}. "
+                          f"Set grpo.adv_estimator.name=grpo")
+    weights = cfg.adv_estimator.reward_weights or [1.0] * len(names)
+    if len(weights) != len(names):
+        raise ConfigError(f"config key 'grpo.adv_estimator.reward_weights': {len(weights)} weights for "
+                          f"{len(names)} reward components {names} (one per component, in this order)")
+    total = sum(w * grpo_estimator(components[k], group_size, cfg) for w, k in zip(weights, names))
+    return _batch_normalize(total)

@@ -18,8 +18,9 @@ from typing import Any, Optional
 
 import torch
 
-from nemo_grpo.algorithms.advantages import compute_advantages, dynamic_sampling_keep, scale_rewards
-from nemo_grpo.algorithms.losses import generation_mismatch_metrics, make_loss
+from nemo_grpo.algorithms.advantages import dynamic_sampling_keep, estimate_advantages, scale_rewards, shape_rewards
+from nemo_grpo.algorithms.kl import generation_mismatch_metrics, sequence_kl
+from nemo_grpo.algorithms.losses import make_loss
 from nemo_grpo.algorithms.rollout import Sample, collate, run_rollouts
 from nemo_grpo.config import MasterConfig, to_yaml
 from nemo_grpo.weights.refit import make_refitter
@@ -28,7 +29,7 @@ from nemo_grpo.utils.timer import Timer
 log = logging.getLogger(__name__)
 
 # what the policy receives of a collated rollout batch (the backends' data contract)
-TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask", "advantages", "generation_logprobs")
+TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask", "generation_logprobs")
 # what an environment's global_post_process_and_metrics receives of it, per row (EnvironmentInterface)
 ENV_ROW_KEYS = ("rewards", "text", "response_lengths", "prompt_lengths", "truncated")
 
@@ -82,7 +83,7 @@ class GRPOTrainer:
         self.task_to_env, self.loader, self.val_datums = task_to_env, loader, val_datums
         self.logger, self.checkpointer = logger, checkpointer
         self.placement_groups = placement_groups or {}  # the resource plan's, released at close
-        self.loss_fn = make_loss("clipped_pg", cfg.loss_fn)
+        self.loss_fn = make_loss(cfg.loss_fn.name, cfg.loss_fn, cfg.policy.max_total_sequence_length)
         self.refitter = make_refitter(policy, engine, cfg.policy.generation)
         self.state = GRPOState()
         self.timer = Timer()
@@ -117,77 +118,93 @@ class GRPOTrainer:
                 self.engine.finish_generation()
                 self.policy.onload()
 
-    def _score_groups(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Scaled rewards [N], advantages [N], group std [N] of contiguous groups."""
-        g = self.cfg.grpo
+    def _rewards(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Rewards [N] scaled (grpo.reward_scaling) then shaped (grpo.reward_shaping), and the scaled reward
+        components {name: [N]} when the environment returns several."""
+        g, gen = self.cfg.grpo, self.cfg.policy.generation
         rewards = scale_rewards(torch.tensor([s.reward for s in samples]), g.reward_scaling)
-        adv, _, std = compute_advantages(rewards, g.num_generations_per_prompt, g.use_leave_one_out_baseline,
-                                         g.normalize_rewards)
-        return rewards, adv, std
+        rewards = shape_rewards(rewards, torch.tensor([s.response_length for s in samples]),
+                                torch.tensor([s.truncated for s in samples]), g.reward_shaping,
+                                max_response_length=gen.max_new_tokens * g.max_rollout_turns)
+        names = sorted({k for s in samples for k in s.reward_components})
+        components = {k: scale_rewards(torch.tensor([s.reward_components.get(k, 0.0) for s in samples]),
+                                       g.reward_scaling) for k in names}
+        return rewards, components
 
-    def _collect(self, step: int) -> tuple[list[Sample], torch.Tensor, torch.Tensor, dict]:
-        """Samples, rewards [N] and advantages [N] for one step; with dynamic sampling, only groups whose
+    def _collect(self, step: int) -> tuple[list[Sample], torch.Tensor, dict[str, torch.Tensor], dict]:
+        """Samples, rewards [N] and reward components for one step; with dynamic sampling, only groups whose
         rewards differ, drawn over up to dynamic_sampling_max_gen_batches generation batches."""
         g = self.cfg.grpo
         G, wanted = g.num_generations_per_prompt, g.num_prompts_per_step
-        kept: list[tuple[list[Sample], torch.Tensor, torch.Tensor]] = []
-        all_rewards, n_groups, batches = [], 0, 0
-        while n_groups < wanted:
+        kept: list[Sample] = []
+        raw_rewards, batches = [], 0
+        while len(kept) < wanted * G:
             if batches == (g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
                 raise RuntimeError(
-                    f"dynamic sampling found {n_groups} of {wanted} prompts with differing rewards after "
+                    f"dynamic sampling found {len(kept) // G} of {wanted} prompts with differing rewards after "
                     f"{batches} generation batches: raise grpo.dynamic_sampling_max_gen_batches or "
                     f"grpo.batch_multiplier")
             n_prompts = int(wanted * g.batch_multiplier) if g.use_dynamic_sampling else wanted
             prompts = self.loader.next_batch(n_prompts)
             self.state.consumed_prompts += len(prompts)
             samples = self._rollout([d for d in prompts for _ in range(G)], seed=self._seed(step, batches))
-            rewards, adv, std = self._score_groups(samples)
-            all_rewards.append(rewards)
-            keep = dynamic_sampling_keep(rewards, G) if g.use_dynamic_sampling else torch.ones(len(prompts), dtype=torch.bool)
-            for i in torch.nonzero(keep).flatten().tolist():
-                if n_groups < wanted:
-                    sl = slice(i * G, (i + 1) * G)
-                    kept.append((samples[sl], rewards[sl], adv[sl]))
-                    n_groups += 1
+            raw_rewards += [s.reward for s in samples]
+            if g.use_dynamic_sampling:
+                keep = dynamic_sampling_keep(self._rewards(samples)[0], G).tolist()
+                samples = [s for i, k in enumerate(keep) if k for s in samples[i * G:(i + 1) * G]]
+            kept += samples[: wanted * G - len(kept)]
             batches += 1
-        samples = [s for group in kept for s in group[0]]
-        rewards_all = torch.cat(all_rewards)
-        stats = {"reward": rewards_all.mean().item(), "gen_batches": float(batches),
-                 "fraction_groups_kept": n_groups / (len(rewards_all) / G)}
-        return samples, torch.cat([k[1] for k in kept]), torch.cat([k[2] for k in kept]), stats
+        rewards, components = self._rewards(kept)
+        stats = {"reward": sum(raw_rewards) / len(raw_rewards), "gen_batches": float(batches),
+                 "fraction_groups_kept": len(kept) / len(raw_rewards)}
+        return kept, rewards, components, stats
 
     def _seed(self, step: int, batch: int) -> int:
         return (self.cfg.grpo.seed * 1_000_003 + step * 101 + batch) % (2**31)
 
     # ------------------------------------------------------------------------------------------ one step
-    def _train_batch(self, samples: list[Sample], advantages: torch.Tensor) -> dict[str, Any]:
+    def _train_batch(self, samples: list[Sample]) -> dict[str, Any]:
         batch = collate(samples, self.tokenizer.pad_token_id or 0)
         truncated = batch["truncated"].float()
         batch["sample_mask"] = 1.0 - truncated if self.cfg.grpo.overlong_filtering else torch.ones(len(samples))
-        batch["advantages"] = advantages[:, None] * batch["token_mask"]  # [N, T]
         return batch
+
+    def _advantages(self, data: dict, rewards: torch.Tensor, components: dict) -> tuple[torch.Tensor, dict]:
+        """Per-token advantages [N, T] by grpo.adv_estimator; with loss_fn.use_kl_in_reward, each reward first
+        loses beta x its sequence's KL(pi_old || pi_ref) estimate. Also the metrics of that."""
+        c, metrics = self.cfg, {}
+        mask = data["token_mask"] * data["sample_mask"][:, None]  # [N, T]
+        if c.loss_fn.use_kl_in_reward:
+            kl = sequence_kl(data["prev_logprobs"], data["reference_policy_logprobs"], mask,
+                             c.loss_fn.reference_policy_kl_type, c.loss_fn.kl_input_clamp_value)  # [N]
+            rewards = rewards - c.loss_fn.reference_policy_kl_penalty * kl
+            metrics["kl_in_reward"] = kl.mean().item()
+        adv = estimate_advantages(rewards, c.grpo.num_generations_per_prompt, c.grpo, components or None,
+                                  token_counts=mask.sum(-1))
+        metrics["reward_after_scaling"] = rewards.mean().item()
+        metrics["advantage_abs_mean"] = adv.abs().mean().item()
+        return adv[:, None] * data["token_mask"], metrics
 
     def train_step(self) -> dict[str, float]:
         cfg, step = self.cfg, self.state.step + 1
         self.timer.reset()
         with self.timer.time("total"):
             with self._generation_phase():  # every generation batch of the step: one hand-over
-                samples, rewards, adv, stats = self._collect(step)
-            batch = self._train_batch(samples, adv)
+                samples, rewards, components, stats = self._collect(step)
+            batch = self._train_batch(samples)
             data = {k: v for k, v in batch.items() if k in TRAIN_KEYS}
             with self.timer.time("logprobs"):
                 data["prev_logprobs"] = self.policy.get_logprobs(data)
                 if cfg.loss_fn.reference_policy_kl_penalty > 0:
                     data["reference_policy_logprobs"] = self.policy.get_reference_logprobs(data)
+            data["advantages"], adv_metrics = self._advantages(data, rewards, components)
             mask = data["token_mask"] * data["sample_mask"][:, None]
             mismatch = generation_mismatch_metrics(data["prev_logprobs"], data["generation_logprobs"], mask)
             with self.timer.time("training"):
                 train_metrics = self.policy.train(data, self.loss_fn)
             with self.timer.time("refit"):
                 self.refit()
-        metrics = {**train_metrics, **mismatch, **stats, **self._env_metrics(batch),
-                   "reward_after_scaling": rewards.mean().item(),
+        metrics = {**train_metrics, **mismatch, **stats, **adv_metrics, **self._env_metrics(batch),
                    "mean_response_length": batch["response_lengths"].float().mean().item(),
                    "fraction_truncated": batch["truncated"].float().mean().item()}
         self.state.step = step

@@ -1,4 +1,5 @@
-"""Policy-gradient losses over per-token log-probs, and the generation/training mismatch metrics.
+"""Policy-gradient losses over per-token log-probs: the registry, the objectives (PPO/GRPO clip, GSPO, CISPO,
+REINFORCE), truncated importance sampling and the loss aggregations.
 
 A loss sees tensors only, never a model or a process group:
 
@@ -20,17 +21,19 @@ global normalization factor).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional, Union
 
 import torch
 
+from nemo_grpo.algorithms.kl import KL_TYPES, kl_penalty_per_token
 from nemo_grpo.config import LossConfig
+from nemo_grpo.errors import ConfigError, require, require_choice
 
 Number = Union[torch.Tensor, float, int]
-KL_TYPES = ("k1", "k2", "k3")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+TRUNCATED_IS_TYPES = ("tis", "icepop", "seq-mask-tis")
 
 # ----------------------------------------------------------------------------------------------- registry
 LOSSES: dict[str, type] = {}
@@ -48,11 +51,12 @@ def register_loss(name: str) -> Callable[[type], type]:
     return register
 
 
-def make_loss(name: str, cfg: LossConfig):
-    """The registered loss `name` built from cfg; an unknown name lists the known ones."""
+def make_loss(name: str, cfg: LossConfig, max_sequence_length: Optional[int] = None):
+    """The registered loss `name` built from cfg; an unknown name lists the known ones. max_sequence_length is
+    Dr.GRPO's constant normalizer (policy.max_total_sequence_length)."""
     if name not in LOSSES:
-        raise ValueError(f"unknown loss '{name}'; known losses: {', '.join(sorted(LOSSES))}")
-    return LOSSES[name](cfg)
+        raise ConfigError(f"loss_fn.name: unknown loss '{name}'; known losses: {', '.join(sorted(LOSSES))}")
+    return LOSSES[name](cfg, max_sequence_length)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -79,51 +83,37 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = N
     return _safe_div(masked_sum(values, mask, dim), den)
 
 
+def aggregation_of(cfg: LossConfig) -> str:
+    """The loss aggregation in force: loss_fn.loss_aggregation, or the one token_level_loss names."""
+    if cfg.loss_aggregation is not None:
+        return cfg.loss_aggregation
+    return "token_mean" if cfg.token_level_loss else "seq_mean_token_mean"
+
+
 def aggregate_loss(values: torch.Tensor, token_mask: torch.Tensor, sample_mask: torch.Tensor,
-                   global_valid_seqs: Number, global_valid_toks: Number, token_level: bool) -> torch.Tensor:
+                   global_valid_seqs: Number, global_valid_toks: Number, mode: str = "token_mean",
+                   max_sequence_length: Optional[int] = None) -> torch.Tensor:
     """Reduce a per-token quantity values [b, T] to this micro-batch's scalar contribution.
 
-    token_level: sum(values * token_mask * sample_mask) / global_valid_toks (every token weighs the same;
-    DAPO's token-level loss). Otherwise (sequence level, the GRPO paper): the mean of each sample over its
-    own valid tokens, then sum(that * sample_mask) / global_valid_seqs (every sample weighs the same).
+    - token_mean: sum(values * token_mask * sample_mask) / global_valid_toks; every token weighs the same
+      (DAPO's token-level loss, https://arxiv.org/abs/2503.14476).
+    - seq_mean_token_mean: each sample's mean over its own valid tokens, then sum(that * sample_mask) /
+      global_valid_seqs; every sample weighs the same (the GRPO paper).
+    - seq_mean_token_sum_norm: each sample's SUM over its tokens / max_sequence_length, then as above
+      (Dr.GRPO, https://arxiv.org/abs/2503.20783): a constant normalizer, so a token's weight does not depend
+      on the length of its answer.
     """
-    if token_level:
+    if mode == "token_mean":
         return _safe_div(masked_sum(values, token_mask * sample_mask[:, None]), global_valid_toks)
-    per_sample = masked_mean(values, token_mask, dim=-1)  # [b]
-    return _safe_div(masked_sum(per_sample, sample_mask), global_valid_seqs)
-
-
-def _k3(x: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 term exp(x) - x - 1 (>= 0, 0 at x = 0)."""
-    return torch.exp(x) - x - 1
-
-
-def calculate_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str = "k3",
-                 input_clamp: Optional[float] = 20.0, output_clamp: Optional[float] = 10.0) -> torch.Tensor:
-    """Per-token estimate [b, T] of KL(pi || pi_ref) from samples of pi (Schulman 2020,
-    http://joschu.net/blog/kl-approx.html), with logr = ref_logprobs - logprobs:
-
-        k1 = -logr = logp - logr_ref          (unbiased, can be negative)
-        k2 = logr^2 / 2                       (biased, low variance)
-        k3 = exp(logr) - logr - 1             (unbiased, >= 0)
-
-    input_clamp clamps logr to [-input_clamp, input_clamp] before the estimator, output_clamp clamps the
-    result to [-output_clamp, output_clamp] (as NeMo RL's calculate_kl); None disables either.
-    """
-    logr = ref_logprobs - logprobs  # [b, T]
-    if input_clamp is not None:
-        logr = logr.clamp(-input_clamp, input_clamp)
-    if kl_type == "k1":
-        kl = -logr
-    elif kl_type == "k2":
-        kl = logr.square() / 2
-    elif kl_type == "k3":
-        kl = _k3(logr)
+    if mode == "seq_mean_token_mean":
+        per_sample = masked_mean(values, token_mask, dim=-1)  # [b]
+    elif mode == "seq_mean_token_sum_norm":
+        if not max_sequence_length:
+            raise ValueError("seq_mean_token_sum_norm needs max_sequence_length (policy.max_total_sequence_length)")
+        per_sample = masked_sum(values, token_mask, dim=-1) / max_sequence_length  # [b]
     else:
-        raise ValueError(f"unknown kl_type '{kl_type}'; known: {', '.join(KL_TYPES)}")
-    if output_clamp is not None:
-        kl = kl.clamp(-output_clamp, output_clamp)
-    return kl
+        raise ValueError(f"unknown loss aggregation '{mode}'; known: {', '.join(AGGREGATIONS)}")
+    return _safe_div(masked_sum(per_sample, sample_mask), global_valid_seqs)
 
 
 def _finite_weights(log_w: torch.Tensor) -> torch.Tensor:
@@ -131,52 +121,171 @@ def _finite_weights(log_w: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(torch.exp(log_w.detach()), nan=0.0, posinf=0.0, neginf=0.0)
 
 
+# ----------------------------------------------------------------------------------------------- objectives
+def ppo_clip_objective(ratio: torch.Tensor, adv: torch.Tensor, clip_min: float, clip_max: float,
+                       clip_c: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token (https://arxiv.org/abs/1707.06347), as a loss.
+
+    ratio, adv [b, T] (a GSPO sequence ratio broadcast over its tokens works the same):
+    loss = max(-A r, -A clip(r, 1 - clip_min, 1 + clip_max)); clip_min != clip_max is DAPO's clip-higher.
+    With clip_c (dual clip, https://arxiv.org/abs/1912.09729): for A < 0, loss = min(loss, -A c).
+    Returns loss [b, T] and clipped [b, T] bool (the clipped or dual-clipped term was taken: no gradient).
+    """
+    clamped = ratio.clamp(1.0 - clip_min, 1.0 + clip_max)
+    loss_unclipped, loss_clipped = -adv * ratio, -adv * clamped
+    loss = torch.max(loss_unclipped, loss_clipped)
+    clipped = loss_clipped > loss_unclipped
+    if clip_c is not None:
+        loss_dual = -adv * clip_c
+        dual = (adv < 0) & (loss_dual < loss)
+        loss = torch.where(dual, loss_dual, loss)
+        clipped = clipped | dual
+    return loss, clipped
+
+
+def cispo_objective(ratio: torch.Tensor, logprobs: torch.Tensor, adv: torch.Tensor, clip_min: float,
+                    clip_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585): loss = -A * stop_grad(clip(r)) * logp per token.
+
+    ratio, logprobs, adv [b, T]. The clipped importance weight scales the REINFORCE gradient instead of
+    zeroing it, so every token keeps a gradient. Returns loss [b, T] and clipped [b, T] (the weight was clipped).
+    """
+    clamped = ratio.clamp(1.0 - clip_min, 1.0 + clip_max)
+    return -adv * clamped.detach() * logprobs, (clamped != ratio)
+
+
+def reinforce_objective(logprobs: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """REINFORCE (Williams 1992) per token: loss = -A * logp [b, T]; with the leave-one-out baseline it is
+    RLOO (https://arxiv.org/abs/2402.14740). Unbiased only on-policy: one update per rollout batch."""
+    return -adv * logprobs
+
+
+def gspo_ratio(logprobs: torch.Tensor, prev_logprobs: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence ratio (https://arxiv.org/abs/2507.18071), broadcast to [b, T]:
+    s_i = exp(mean over the sample's valid tokens of (logp - prev_logp)), the length-normalised likelihood ratio."""
+    return torch.exp(masked_mean(logprobs - prev_logprobs, token_mask, dim=-1))[:, None].expand_as(logprobs)
+
+
+def truncate_is_weights(w: torch.Tensor, kind: str, ratio_max: float, ratio_min: Optional[float],
+                        token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling of detached weights w = pi_old / pi_gen [b, T] (token_mask [b, T]).
+
+    - tis: clamp to [ratio_min or 0, ratio_max] (Yao et al. 2025, "Your efficient RL framework secretly
+      brings you off-policy RL training").
+    - icepop: zero the tokens whose weight is outside [ratio_min, ratio_max] (IcePop, Ring-1T / "The online
+      IcePop solution for MoE models").
+    - seq-mask-tis: zero whole samples whose geometric-mean weight exp(mean log w) is outside
+      [ratio_min, ratio_max]; the kept samples keep their token weights.
+    Returns the weights [b, T] and the out-of-bounds indicator, float [b, T] (per sample for seq-mask-tis).
+    """
+    if kind == "tis":
+        low = 0.0 if ratio_min is None else ratio_min
+        oob = (w > ratio_max) | (w < low)
+        return w.clamp(low, ratio_max), oob.to(w.dtype)
+    if kind == "icepop":
+        keep = (w >= ratio_min) & (w <= ratio_max)
+        return torch.where(keep, w, torch.zeros_like(w)), (~keep).to(w.dtype)
+    if kind == "seq-mask-tis":
+        log_w = torch.log(w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        geo = torch.exp(masked_mean(log_w, token_mask, dim=-1))[:, None]  # [b, 1]
+        keep = (geo >= ratio_min) & (geo <= ratio_max)
+        return w * keep.to(w.dtype), (~keep).to(w.dtype).expand_as(w)
+    raise ValueError(f"unknown truncated importance sampling type '{kind}'; known: {', '.join(TRUNCATED_IS_TYPES)}")
+
+
+# ----------------------------------------------------------------------------------------------- config checks
+def check_loss_config(c: LossConfig) -> None:
+    """Reject, naming the key, a loss_fn value or combination that makes no sense (ConfigError)."""
+    key = "loss_fn."
+    require_choice(c.reference_policy_kl_type, key + "reference_policy_kl_type", KL_TYPES)
+    require(c.reference_policy_kl_penalty >= 0, key + "reference_policy_kl_penalty", "must be >= 0")
+    require(0 <= c.ratio_clip_min < 1, key + "ratio_clip_min", f"must be in [0, 1), got {c.ratio_clip_min}")
+    require(c.ratio_clip_max >= 0, key + "ratio_clip_max", f"must be >= 0, got {c.ratio_clip_max}")
+    require(c.ratio_clip_c is None or c.ratio_clip_c > 1, key + "ratio_clip_c",
+            f"the dual-clip constant must be > 1 (usually 3) or null, got {c.ratio_clip_c}")
+    if c.loss_aggregation is not None:
+        require_choice(c.loss_aggregation, key + "loss_aggregation", AGGREGATIONS)
+    require(not c.use_kl_in_reward or c.reference_policy_kl_penalty > 0, key + "use_kl_in_reward",
+            "needs loss_fn.reference_policy_kl_penalty > 0 (the KL coefficient)")
+    require(not (c.disable_ppo_ratio and c.force_on_policy_ratio), key + "force_on_policy_ratio",
+            "cannot be combined with loss_fn.disable_ppo_ratio (both remove the ratio); set one")
+    _check_gspo_cispo(c, aggregation_of(c))
+    _check_truncated_is(c)
+
+
+def _check_gspo_cispo(c: LossConfig, aggregation: str) -> None:
+    if c.sequence_level_importance_ratios:
+        key = "loss_fn.sequence_level_importance_ratios"
+        require(aggregation != "token_mean", key, "GSPO weighs sequences: set loss_fn.token_level_loss=false "
+                "(or loss_fn.loss_aggregation to a seq_mean_* mode)")
+        for other in ("disable_ppo_ratio", "force_on_policy_ratio"):
+            require(not getattr(c, other), key, f"cannot be combined with loss_fn.{other} (GSPO needs the ratio)")
+    if c.use_cispo:
+        key = "loss_fn.use_cispo"
+        for other, why in (("disable_ppo_ratio", "CISPO weighs by the ratio this removes"),
+                           ("force_on_policy_ratio", "forcing ratio = 1 removes CISPO's clipped weight"),
+                           ("sequence_level_importance_ratios", "CISPO weighs tokens, GSPO sequences")):
+            require(not getattr(c, other), key, f"cannot be combined with loss_fn.{other}: {why}")
+        require(c.ratio_clip_c is None, key, "cannot be combined with dual clipping: set loss_fn.ratio_clip_c=null")
+        require(aggregation == "token_mean", key, "CISPO is a token-level loss: set loss_fn.token_level_loss=true "
+                "and loss_fn.loss_aggregation=null or token_mean")
+
+
+def _check_truncated_is(c: LossConfig) -> None:
+    kind, hi, lo = (c.truncated_importance_sampling_type, c.truncated_importance_sampling_ratio,
+                    c.truncated_importance_sampling_ratio_min)
+    key = "loss_fn.truncated_importance_sampling_"
+    if kind is None and hi is None:
+        require(lo is None, key + "ratio_min", "is set but loss_fn.truncated_importance_sampling_ratio is null")
+        return
+    if kind is not None:
+        require_choice(kind, key + "type", TRUNCATED_IS_TYPES)
+    require(c.use_importance_sampling_correction, key + ("type" if kind else "ratio"),
+            "needs loss_fn.use_importance_sampling_correction=true (it truncates that correction's weights)")
+    require(hi is not None and hi > 0, key + "ratio", f"the upper bound must be > 0, got {hi}")
+    if kind in ("icepop", "seq-mask-tis"):
+        require(lo is not None, key + "ratio_min", f"truncated_importance_sampling_type={kind} needs a lower bound")
+    require(lo is None or 0 <= lo <= hi, key + "ratio_min", f"must be in [0, {hi}], got {lo}")
+    require(kind != "seq-mask-tis" or not c.sequence_level_importance_ratios, key + "type",
+            "seq-mask-tis masks sequences by their token weights; with GSPO use tis or icepop")
+
+
 # ----------------------------------------------------------------------------------------------- clipped PG
 @register_loss("clipped_pg")
 @dataclass
 class ClippedPGLoss:
-    """Clipped policy-gradient loss with an optional KL penalty to a reference policy (NeMo RL's ClippedPGLossFn).
+    """The GRPO family's loss (NeMo RL's ClippedPGLossFn): an actor term and an optional KL penalty.
 
-    PPO (Schulman et al. 2017, https://arxiv.org/abs/1707.06347) / GRPO (https://arxiv.org/abs/2402.03300),
-    per valid token with ratio r = exp(logprobs - prev_logprobs) and advantage A:
+        loss = aggregate(w * actor(logprobs, prev_logprobs, A)) + beta * aggregate(kl_term)
 
-        actor = max(-A * r, -A * clip(r, 1 - ratio_clip_min, 1 + ratio_clip_max))
-        loss  = aggregate(w * actor) + beta * aggregate(v * kl(logprobs, reference_policy_logprobs))
+    actor, per token (ratio r = exp(logprobs - prev_logprobs)):
+    - PPO/GRPO clip (default): `ppo_clip_objective`, with DAPO clip-higher and dual clip;
+    - GSPO (sequence_level_importance_ratios): the same clip on `gspo_ratio`, per sequence;
+    - CISPO (use_cispo): `cispo_objective`;
+    - REINFORCE / RLOO (disable_ppo_ratio): `reinforce_objective`;
+    - force_on_policy_ratio: r = exp(logp - stop_grad(logp)), value 1 (no clipping), gradient of logp.
+    w = exp(prev_logprobs - generation_logprobs), detached, when use_importance_sampling_correction (the
+    engine's probabilities differ from the trainer's), per sequence (exp of the summed log-ratio) under GSPO;
+    truncated by `truncate_is_weights` when a truncated type or ratio is set; else w = 1.
+    kl_term: `kl.kl_penalty_per_token`, whose expected gradient is grad KL(pi || pi_ref) for k1, k2 and k3
+    (not a loss term when use_kl_in_reward: the trainer takes the KL off the rewards instead).
+    aggregate: `aggregate_loss` with `aggregation_of(cfg)`.
 
-    - ratio_clip_min != ratio_clip_max is DAPO's clip-higher (https://arxiv.org/abs/2503.14476).
-    - ratio_clip_c = c enables dual clipping (Ye et al. 2019, https://arxiv.org/abs/1912.09729): for A < 0,
-      actor = min(actor, -A * c), which bounds the loss when r >> 1.
-    - w = exp(prev_logprobs - generation_logprobs), detached, when use_importance_sampling_correction (corrects
-      for the generation engine's probabilities differing from the trainer's), capped at
-      truncated_importance_sampling_ratio (TIS) when set; else w = 1.
-    - v = exp(logprobs - prev_logprobs), detached, when use_on_policy_kl_approximation (the KL estimator is
-      meant for samples of the current policy; the samples come from the old one); else v = 1. Current
-      NeMo RL code divides by generation_logprobs instead; we follow its guide's pi_theta / pi_theta_old.
-    - aggregate: token- or sequence-level, see `aggregate_loss`.
-
-    Metrics (contributions, see the module docstring): loss, actor_loss, kl_penalty (the aggregated KL
-    before the factor beta, as NeMo RL), and per-token means over valid tokens: approx_entropy
-    (-E[exp(logprobs - generation_logprobs) * logprobs], the entropy estimated from the generated samples),
-    probs_ratio, probs_ratio_clamped, clip_fraction (tokens whose ratio term was clipped, dual clip included),
-    and is_weight when the importance-sampling correction is on.
+    Metrics (contributions, see the module docstring): loss, actor_loss, kl_penalty (the aggregated KL term
+    before the factor beta), and per-token means over valid tokens: approx_entropy (-E[exp(logprobs -
+    generation_logprobs) * logprobs], the entropy estimated from the generated samples), probs_ratio,
+    probs_ratio_clamped, clip_fraction, and is_weight (and is_oob_ratio when truncated) with the correction on.
 
     Log-probs are computed in float32 at least. Positions outside token_mask * sample_mask are zeroed before
     any arithmetic, so whatever the back end left there (inf, nan) gives neither loss nor gradient.
     """
 
     cfg: LossConfig
+    max_sequence_length: Optional[int] = None  # Dr.GRPO's normalizer (policy.max_total_sequence_length)
 
     def __post_init__(self) -> None:
-        c = self.cfg
-        if c.reference_policy_kl_type not in KL_TYPES:
-            raise ValueError(f"loss_fn.reference_policy_kl_type: got '{c.reference_policy_kl_type}'; "
-                             f"known: {', '.join(KL_TYPES)}")
-        if c.ratio_clip_c is not None and c.ratio_clip_c <= 1:
-            raise ValueError(f"loss_fn.ratio_clip_c: dual-clip constant must be > 1, got {c.ratio_clip_c}")
-        if c.truncated_importance_sampling_ratio is not None and not c.use_importance_sampling_correction:
-            raise ValueError("loss_fn.truncated_importance_sampling_ratio is set but "
-                             "loss_fn.use_importance_sampling_correction is false; enable the correction or "
-                             "set the ratio to null")
+        check_loss_config(self.cfg)
+        self.aggregation = aggregation_of(self.cfg)
 
     def __call__(self, logprobs: torch.Tensor, mb: dict[str, torch.Tensor], global_valid_seqs: Number,
                  global_valid_toks: Number) -> tuple[torch.Tensor, dict[str, float]]:
@@ -190,17 +299,22 @@ class ClippedPGLoss:
             return torch.where(mask != 0, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
 
         curr, prev, gen = valid(logprobs), valid(mb["prev_logprobs"]), valid(mb["generation_logprobs"])
-        actor_tok, stats = self._actor_per_token(curr, prev, gen, valid(mb["advantages"]))  # [b, T]
+        actor_tok, stats = self._actor_per_token(curr, prev, valid(mb["advantages"]), token_mask)  # [b, T]
+        if c.use_importance_sampling_correction:
+            w, is_stats = self._is_weights(prev, gen, token_mask)
+            actor_tok, stats = actor_tok * w, {**stats, **is_stats}
         aggregate = partial(aggregate_loss, token_mask=token_mask, sample_mask=sample_mask,
                             global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks,
-                            token_level=c.token_level_loss)
+                            mode=self.aggregation, max_sequence_length=self.max_sequence_length)
         actor_loss = aggregate(actor_tok)
         loss = actor_loss
         kl = torch.zeros((), dtype=dtype, device=logprobs.device)
-        if c.reference_policy_kl_penalty > 0:
+        if c.reference_policy_kl_penalty > 0 and not c.use_kl_in_reward:
             if "reference_policy_logprobs" not in mb:
                 raise KeyError("loss_fn.reference_policy_kl_penalty > 0 needs 'reference_policy_logprobs' in the batch")
-            kl = aggregate(self._kl_per_token(curr, prev, valid(mb["reference_policy_logprobs"])))
+            kl = aggregate(kl_penalty_per_token(curr, valid(mb["reference_policy_logprobs"]), gen,
+                                                c.reference_policy_kl_type, c.use_on_policy_kl_approximation,
+                                                c.kl_input_clamp_value, c.kl_output_clamp_value))
             loss = actor_loss + c.reference_policy_kl_penalty * kl
 
         with torch.no_grad():
@@ -216,70 +330,42 @@ class ClippedPGLoss:
             }
         return loss, metrics
 
-    def _actor_per_token(self, curr: torch.Tensor, prev: torch.Tensor, gen: torch.Tensor,
-                         adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Clipped (and dual-clipped, IS-weighted) actor loss per token [b, T], and detached per-token stats."""
+    def _actor_per_token(self, curr: torch.Tensor, prev: torch.Tensor, adv: torch.Tensor,
+                         token_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The actor loss per token [b, T] of the configured objective, and detached per-token stats."""
         c = self.cfg
-        ratio = torch.exp(curr - prev)  # [b, T]
-        clamped = ratio.clamp(1.0 - c.ratio_clip_min, 1.0 + c.ratio_clip_max)
-        loss_unclipped, loss_clipped = -adv * ratio, -adv * clamped
-        actor = torch.max(loss_unclipped, loss_clipped)
-        clipped = loss_clipped > loss_unclipped  # the max picked the clipped term: no gradient through r
-        if c.ratio_clip_c is not None:
-            loss_dual = -adv * c.ratio_clip_c
-            dual = (adv < 0) & (loss_dual < actor)
-            actor = torch.where(dual, loss_dual, actor)
-            clipped = clipped | dual
-        stats = {"probs_ratio": ratio.detach(), "probs_ratio_clamped": clamped.detach(),
-                 "clip_fraction": clipped.to(curr.dtype)}
-        if c.use_importance_sampling_correction:
-            w = _finite_weights(prev - gen)  # [b, T]
-            if c.truncated_importance_sampling_ratio is not None:
-                w = w.clamp(max=c.truncated_importance_sampling_ratio)
-            actor = actor * w
-            stats["is_weight"] = w
-        return actor, stats
+        if c.disable_ppo_ratio:
+            ones = torch.ones_like(curr)
+            return reinforce_objective(curr, adv), {"probs_ratio": ones, "probs_ratio_clamped": ones,
+                                                    "clip_fraction": torch.zeros_like(curr)}
+        if c.force_on_policy_ratio:
+            ratio = torch.exp(curr - curr.detach())  # value 1, gradient of logp
+            actor, clipped = -adv * ratio, torch.zeros_like(curr, dtype=torch.bool)
+        elif c.sequence_level_importance_ratios:
+            ratio = gspo_ratio(curr, prev, token_mask)
+            actor, clipped = ppo_clip_objective(ratio, adv, c.ratio_clip_min, c.ratio_clip_max, c.ratio_clip_c)
+        else:
+            ratio = torch.exp(curr - prev)
+            if c.use_cispo:
+                actor, clipped = cispo_objective(ratio, curr, adv, c.ratio_clip_min, c.ratio_clip_max)
+            else:
+                actor, clipped = ppo_clip_objective(ratio, adv, c.ratio_clip_min, c.ratio_clip_max, c.ratio_clip_c)
+        clamped = ratio if c.force_on_policy_ratio else ratio.clamp(1.0 - c.ratio_clip_min, 1.0 + c.ratio_clip_max)
+        return actor, {"probs_ratio": ratio.detach(), "probs_ratio_clamped": clamped.detach(),
+                       "clip_fraction": clipped.to(curr.dtype)}
 
-    def _kl_per_token(self, curr: torch.Tensor, prev: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-        """KL(pi || pi_ref) estimate per token [b, T], importance-weighted under the on-policy approximation."""
+    def _is_weights(self, prev: torch.Tensor, gen: torch.Tensor,
+                    token_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Detached importance weights pi_old / pi_gen [b, T] (per sequence under GSPO), truncated as configured."""
         c = self.cfg
-        kl = calculate_kl(curr, ref, c.reference_policy_kl_type, c.kl_input_clamp_value, c.kl_output_clamp_value)
-        if c.use_on_policy_kl_approximation:
-            kl = kl * _finite_weights(curr - prev)
-        return kl
-
-
-# ----------------------------------------------------------------------------------------------- mismatch
-def generation_mismatch_metrics(policy_logprobs: torch.Tensor, generation_logprobs: torch.Tensor,
-                                mask: torch.Tensor) -> dict[str, float]:
-    """How far the generation engine's log-probs are from the trainer's, as full-batch masked means.
-
-    policy_logprobs, generation_logprobs, mask: [B, T] (mask = token_mask * sample_mask). Names and formulas
-    are NeMo RL's (docs/guides/grpo.md#metrics); with x = policy - generation and k3(x) = exp(x) - x - 1:
-
-        token_mult_prob_error     mean exp(|x|)                       1.0 when they match
-        gen_kl_error              mean k3(x)                          KL(P_gen || P_policy), gen as ground truth
-        policy_kl_error           mean k3(-x)                         KL(P_policy || P_gen)
-        js_divergence_error       mean (k3(policy - m) + k3(gen - m)) / 2, m = log((P_policy + P_gen) / 2)
-        sampling_importance_ratio mean exp(x)                         1.0 when they match
-
-    Worked example (NeMo RL guide): generation -5, policy -15 -> gen_kl_error ~ 9, policy_kl_error ~ 22015.
-    """
-    with torch.no_grad():
-        dtype = torch.promote_types(policy_logprobs.dtype, torch.float32)
-        mask = mask.to(dtype)
-        zero = torch.zeros((), dtype=dtype, device=mask.device)
-        p = torch.where(mask != 0, policy_logprobs.to(dtype), zero)  # [B, T]
-        g = torch.where(mask != 0, generation_logprobs.to(dtype), zero)  # [B, T]
-        x = p - g
-        m = torch.logaddexp(p, g) - math.log(2.0)  # log of the mixture's probability
-        def mean(v: torch.Tensor) -> float:
-            return masked_mean(v, mask).item()
-
-        return {
-            "token_mult_prob_error": mean(torch.exp(x.abs())),
-            "gen_kl_error": mean(_k3(x)),
-            "policy_kl_error": mean(_k3(-x)),
-            "js_divergence_error": mean(0.5 * (_k3(p - m) + _k3(g - m))),
-            "sampling_importance_ratio": mean(torch.exp(x)),
-        }
+        if c.sequence_level_importance_ratios:
+            w = _finite_weights(masked_sum(prev - gen, token_mask, dim=-1))[:, None].expand_as(prev)
+        else:
+            w = _finite_weights(prev - gen)
+        stats = {}
+        kind = c.truncated_importance_sampling_type or ("tis" if c.truncated_importance_sampling_ratio else None)
+        if kind is not None:
+            w, oob = truncate_is_weights(w, kind, c.truncated_importance_sampling_ratio,
+                                         c.truncated_importance_sampling_ratio_min, token_mask)
+            stats["is_oob_ratio"] = oob
+        return w, {"is_weight": w, **stats}

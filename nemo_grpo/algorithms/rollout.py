@@ -26,7 +26,8 @@ class Sample:
     generation_logprobs: list[float]
     message_log: list[dict[str, str]]
     env_info: dict[str, Any]
-    reward: float = 0.0
+    reward: float = 0.0  # summed over turns (and over components when the environment returns several)
+    reward_components: dict[str, float] = field(default_factory=dict)  # name -> summed over turns
     done: bool = False
     truncated: bool = False  # the last turn stopped at its token limit, not at EOS / a stop string
     response_length: int = 0
@@ -85,7 +86,7 @@ def _step_environments(active: list[Sample], task_to_env: dict, tokenizer, last_
                for task, group in by_task.items()}
     for task, ret in zip(futures, ray.get(list(futures.values()))):
         for i, s in enumerate(by_task[task]):
-            s.reward += float(ret.rewards[i])
+            _add_reward(s, ret.rewards, i)
             s.answer = ret.answers[i]
             s.turns += 1
             if ret.metadata[i] is not None:
@@ -101,6 +102,18 @@ def _step_environments(active: list[Sample], task_to_env: dict, tokenizer, last_
             s.generation_logprobs += [0.0] * len(obs_ids)
             if ret.next_stop_strings[i] is not None:
                 s.stop_strings = ret.next_stop_strings[i]
+
+
+def _add_reward(s: Sample, rewards, i: int) -> None:
+    """Add sample i's reward of one turn: rewards is a [B] tensor, or a dict name -> [B] tensor of reward
+    components (GDPO's input; the sample's reward is then their sum)."""
+    if isinstance(rewards, dict):
+        for name, values in rewards.items():
+            value = float(values[i])
+            s.reward_components[name] = s.reward_components.get(name, 0.0) + value
+            s.reward += value
+    else:
+        s.reward += float(rewards[i])
 
 
 def run_rollouts(datums: list[Datum], engine, tokenizer, task_to_env: dict, *, max_new_tokens: int,

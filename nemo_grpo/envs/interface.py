@@ -8,7 +8,7 @@ carried in the data (e.g. the ground-truth answer). It returns an `EnvironmentRe
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
@@ -22,7 +22,8 @@ class EnvironmentReturn(NamedTuple):
     observations: B messages to append to the conversation (role "environment" or "user").
     metadata: B dicts (or None) kept with the sample, passed back as env_info on the next turn.
     next_stop_strings: B lists of stop strings for the next turn (or None for the default).
-    rewards: [B] float tensor.
+    rewards: [B] float tensor; or a dict name -> [B] float tensor of reward components (for
+        grpo.adv_estimator.name=gdpo, which normalises each on its own; the sample's reward is their sum).
     terminateds: [B] bool tensor; False asks for another turn (multi-turn environments).
     answers: B extracted answers (or None), for logging.
     """
@@ -30,7 +31,7 @@ class EnvironmentReturn(NamedTuple):
     observations: list[Message]
     metadata: list[Optional[dict[str, Any]]]
     next_stop_strings: list[Optional[list[str]]]
-    rewards: torch.Tensor
+    rewards: Union[torch.Tensor, dict[str, torch.Tensor]]
     terminateds: torch.Tensor
     answers: list[Optional[str]]
 

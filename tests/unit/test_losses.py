@@ -7,15 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from nemo_grpo.algorithms.losses import (
-    LOSSES,
-    ClippedPGLoss,
-    aggregate_loss,
-    calculate_kl,
-    generation_mismatch_metrics,
-    make_loss,
-    masked_mean,
-)
+from nemo_grpo.algorithms.kl import calculate_kl, generation_mismatch_metrics
+from nemo_grpo.algorithms.losses import LOSSES, ClippedPGLoss, aggregate_loss, make_loss, masked_mean
 from nemo_grpo.config import LossConfig
 
 F64 = torch.float64
@@ -120,12 +113,12 @@ def test_calculate_kl_rejects_unknown_type():
 
 
 @pytest.mark.parametrize("kl_type,input_clamp,output_clamp,kl_tokens,grad_tokens", [
-    # per token kl and d kl / d logp, with d = logp - logp_ref = [1, -2]
-    ("k1", None, None, [1.0, -2.0], [1.0, 1.0]),
-    ("k2", None, None, [0.5, 2.0], [1.0, -2.0]),  # d
+    # per token kl and d(term)/d logp, with d = logp - logp_ref = [1, -2]; term = w * k, w = exp(logp - sg(logp))
+    ("k1", None, None, [1.0, -2.0], [2.0, -1.0]),  # k1 + dk1/dlogp = d + 1 (the score term k1 included)
+    ("k2", None, None, [0.5, 2.0], [1.0, -2.0]),  # dk2/dlogp = d, no score term
     ("k2", 1.5, None, [0.5, 1.125], [1.0, 0.0]),  # the clamped token has no gradient
-    ("k3", None, None, [0.3678794, 4.3890561], [0.6321206, -6.3890561]),  # 1 - exp(-d)
-    ("k3", None, 1.0, [0.3678794, 1.0], [0.6321206, 0.0]),
+    ("k3", None, None, [0.3678794, 4.3890561], [1.0, -2.0]),  # k3 + 1 - exp(-d) = d
+    ("k3", None, 1.0, [0.3678794, 1.0], [1.0, 0.0]),  # the output clamp bounds the weighted term
 ])
 def test_kl_penalty_in_loss(kl_type, input_clamp, output_clamp, kl_tokens, grad_tokens):
     beta = 0.5
@@ -139,21 +132,25 @@ def test_kl_penalty_in_loss(kl_type, input_clamp, output_clamp, kl_tokens, grad_
     _close(grad, [[0.0] + [beta * g / 2 for g in grad_tokens]])
 
 
-def test_on_policy_kl_approximation_weights_by_detached_ratio():
-    cfg = replace(PLAIN, reference_policy_kl_penalty=1.0, reference_policy_kl_type="k1",
+@pytest.mark.parametrize("kl_type", ["k1", "k2"])
+def test_on_policy_kl_approximation_weights_by_pi_over_generation(kl_type):
+    cfg = replace(PLAIN, reference_policy_kl_penalty=1.0, reference_policy_kl_type=kl_type,
                   use_on_policy_kl_approximation=True)
-    # ratios 2 and 0.5 (A = 0), k1 = d = [1, -2] -> weighted [2, -1]. The weight is against prev_logprobs
-    # (pi_theta / pi_theta_old), not generation_logprobs, which differ here.
+    # logp - prev = ln [2, 0.5] (A = 0), d = logp - ref = [1, -2]. The samples come from the generation engine
+    # (gen = -3), so the weight is w = exp(logp - gen) = [2e, e / 2], not exp(logp - prev) = [2, 0.5].
     ref = [-2.0 + LN(2.0) - 1.0, -2.0 + LN(0.5) + 2.0]
-    logprobs, mb = _row([2.0, 0.5], [0.0, 0.0], prev=-2.0, gen=[-3.0, -3.0], ref=ref)
-    loss, grad, m = _run(cfg, logprobs, mb)
-    assert loss == pytest.approx((2.0 - 1.0) / 2)
-    # weight detached: d/dlogp = w * dk1/dlogp / 2 = w / 2 (a non-detached weight would give w (1 + d) / 2)
-    _close(grad, [[0.0, 1.0, 0.25]])
-    loss_off, grad_off, _ = _run(replace(cfg, use_on_policy_kl_approximation=False),
-                                 *_row([2.0, 0.5], [0.0, 0.0], prev=-2.0, gen=[-3.0, -3.0], ref=ref))
-    assert loss_off == pytest.approx((1.0 - 2.0) / 2)
-    _close(grad_off, [[0.0, 0.5, 0.5]])
+    row = lambda: _row([2.0, 0.5], [0.0, 0.0], prev=-2.0, gen=[-3.0, -3.0], ref=ref)  # noqa: E731
+    w, d, e = [2 * math.e, math.e / 2], [1.0, -2.0], math.e
+    loss, grad, _ = _run(cfg, *row())
+    k = d if kl_type == "k1" else [x * x / 2 for x in d]
+    assert loss == pytest.approx((w[0] * k[0] + w[1] * k[1]) / 2)
+    if kl_type == "k1":  # the weight carries the score term: d(w k1)/dlogp = w (k1 + 1)
+        _close(grad, [[0.0, 2 * e, -e / 4]])
+    else:  # k2's own gradient is the KL's: weight detached, d(w k2)/dlogp = w d
+        _close(grad, [[0.0, e, -e / 2]])
+    loss_off, grad_off, _ = _run(replace(cfg, use_on_policy_kl_approximation=False), *row())
+    assert loss_off == pytest.approx(sum(k) / 2)
+    _close(grad_off, [[0.0, 1.0, -0.5]] if kl_type == "k1" else [[0.0, 0.5, -1.0]])
 
 
 def test_kl_needs_reference_logprobs():
@@ -235,7 +232,7 @@ def test_masked_positions_never_leak():
 
 
 def test_aggregate_with_no_valid_token_is_zero():
-    zero = aggregate_loss(torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2), 0.0, 0.0, token_level=True)
+    zero = aggregate_loss(torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2), 0.0, 0.0, mode="token_mean")
     assert zero.item() == 0.0
     assert masked_mean(torch.ones(3), torch.zeros(3)).item() == 0.0
 
