@@ -1,12 +1,18 @@
-"""Group advantages, reward scaling and the dynamic-sampling filter against hand computations and a loop."""
+"""Advantage estimators (GRPO, REINFORCE++, GDPO), advantage clipping, reward shaping and scaling, and the
+dynamic-sampling filter against hand computations and a loop."""
 
 import statistics
 
 import pytest
 import torch
 
-from nemo_grpo.algorithms.advantages import compute_advantages, dynamic_sampling_keep, scale_rewards
-from nemo_grpo.config import RewardScalingConfig
+from types import SimpleNamespace
+
+from nemo_grpo.algorithms.advantages import (ESTIMATORS, compute_advantages, dynamic_sampling_keep,
+                                             estimate_advantages, scale_rewards, shape_rewards)
+from nemo_grpo.algorithms.rollout import _add_reward
+from nemo_grpo.config import AdvEstimatorConfig, GRPOConfig, RewardScalingConfig, RewardShapingConfig
+from nemo_grpo.errors import ConfigError
 
 F64 = torch.float64
 
@@ -114,7 +120,7 @@ def test_leave_one_out_vectorized_matches_loop(G, normalize):
 def test_bad_layouts_are_rejected():
     with pytest.raises(ValueError, match="groups of group_size=3"):
         compute_advantages(torch.zeros(7), 3, False, True)
-    with pytest.raises(ValueError, match="group_size >= 2"):
+    with pytest.raises(ValueError, match="group_size >= 2.*grpo.use_leave_one_out_baseline=false"):
         compute_advantages(torch.zeros(4), 1, True, True)
     with pytest.raises(ValueError, match="1-D"):
         compute_advantages(torch.zeros(2, 4), 4, False, True)
@@ -144,3 +150,91 @@ def test_dynamic_sampling_keeps_groups_with_differing_rewards():
     keep = dynamic_sampling_keep(rewards, 3)
     assert keep.dtype == torch.bool and keep.tolist() == [False, True, False, True]
 
+
+
+# ----------------------------------------------------------------------------------------------- estimators
+def _grpo(name="grpo", **kw):
+    est = {k: kw.pop(k) for k in ("minus_baseline", "reward_weights") if k in kw}
+    return GRPOConfig(adv_estimator=AdvEstimatorConfig(name=name, **est), **kw)
+
+
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0], dtype=F64)  # two groups of 4
+
+
+def test_estimators_are_registered_and_unknown_names_listed():
+    assert set(ESTIMATORS) == {"grpo", "reinforce_plus_plus", "gdpo"}
+    with pytest.raises(ConfigError, match="unknown estimator 'gae'; known: gdpo, grpo, reinforce_plus_plus"):
+        estimate_advantages(REWARDS, 4, _grpo("gae"))
+
+
+def test_grpo_estimator_is_the_group_advantage():
+    cfg = _grpo(normalize_rewards=True, use_leave_one_out_baseline=True)
+    _close(estimate_advantages(REWARDS, 4, cfg), compute_advantages(REWARDS, 4, True, True)[0].tolist())
+
+
+def test_reinforce_plus_plus_normalises_over_the_batch_tokens():
+    # minus the group mean (0.25, 0.75): a = [.75, -.25, -.25, -.25, .25, .25, .25, -.75]
+    a = [0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75]
+    # samples weigh equally: mean 0, variance (0.75^2 + 3 x 0.25^2) x 2 / 8 = 0.1875
+    _close(estimate_advantages(REWARDS, 4, _grpo("reinforce_plus_plus")), [x / 0.1875 ** 0.5 for x in a])
+    # the last sample has 3 tokens: mean over 10 tokens = -1.5 / 10; variance over tokens
+    counts = torch.tensor([1, 1, 1, 1, 1, 1, 1, 3], dtype=F64)
+    mean = -0.15
+    var = (0.9 ** 2 + 3 * 0.1 ** 2 + 3 * 0.4 ** 2 + 3 * 0.6 ** 2) / 10
+    _close(estimate_advantages(REWARDS, 4, _grpo("reinforce_plus_plus"), token_counts=counts),
+           [(x - mean) / var ** 0.5 for x in a])
+    # without the baseline: the rewards themselves (mean 0.5, variance 0.25) -> +-1
+    _close(estimate_advantages(REWARDS, 4, _grpo("reinforce_plus_plus", minus_baseline=False)),
+           [1.0, -1, -1, -1, 1, 1, 1, -1])
+
+
+def test_gdpo_normalises_each_component_in_its_groups_then_weighs_them():
+    comps = {"b_format": torch.tensor([0.0, 0, 1, 1, 2, 0, 0, 0], dtype=F64), "a_correct": REWARDS}
+    # a_correct per group (mean, unbiased std): (.25, .5) -> [1.5, -.5, -.5, -.5]; (.75, .5) -> [.5, .5, .5, -1.5]
+    # b_format: (.5, sqrt(1/3)) -> +-sqrt(3)/2; (.5, 1) -> [1.5, -.5, -.5, -.5]. Weights 1 and 0.5 (sorted names).
+    h = 3 ** 0.5 / 2
+    total = [1.5 - h / 2, -0.5 - h / 2, -0.5 + h / 2, -0.5 + h / 2, 0.5 + 0.75, 0.5 - 0.25, 0.5 - 0.25, -1.5 - 0.25]
+    mean = sum(total) / 8
+    std = (sum((x - mean) ** 2 for x in total) / 8) ** 0.5
+    cfg = _grpo("gdpo", reward_weights=[1.0, 0.5], normalize_rewards=True)
+    _close(estimate_advantages(REWARDS, 4, cfg, components=comps), [(x - mean) / std for x in total], tol=1e-5)
+
+
+def test_gdpo_needs_several_components_and_one_weight_each():
+    with pytest.raises(ConfigError, match="several reward components.*grpo.adv_estimator.name=grpo"):
+        estimate_advantages(REWARDS, 4, _grpo("gdpo"), components={"only": REWARDS})
+    with pytest.raises(ConfigError, match="reward_weights': 3 weights for 2 reward components"):
+        estimate_advantages(REWARDS, 4, _grpo("gdpo", reward_weights=[1.0, 1.0, 1.0]),
+                            components={"a": REWARDS, "b": REWARDS})
+
+
+def test_advantages_are_clipped():
+    cfg = _grpo(normalize_rewards=False, advantage_clip_low=-0.5, advantage_clip_high=0.6)
+    # group advantages [.75, -.25, -.25, -.25, .25, .25, .25, -.75]
+    _close(estimate_advantages(REWARDS, 4, cfg), [0.6, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.5])
+
+
+def test_environment_reward_components_add_up():
+    s = SimpleNamespace(reward=0.0, reward_components={})
+    _add_reward(s, {"correct": torch.tensor([1.0, 0.0]), "format": torch.tensor([0.5, 0.25])}, 1)
+    _add_reward(s, {"correct": torch.tensor([1.0, 1.0]), "format": torch.tensor([0.5, 0.25])}, 1)
+    assert s.reward_components == {"correct": 1.0, "format": 0.5} and s.reward == 1.5
+    plain = SimpleNamespace(reward=0.0, reward_components={})
+    _add_reward(plain, torch.tensor([0.3, 0.7]), 0)
+    assert plain.reward == pytest.approx(0.3) and plain.reward_components == {}
+
+
+# ----------------------------------------------------------------------------------------------- shaping
+def test_reward_shaping_stop_properly_then_dapo_overlong():
+    cfg = RewardShapingConfig(enabled=True, stop_properly_penalty_coef=0.5, overlong_buffer_length=2,
+                              overlong_buffer_penalty=1.0, max_response_length=4)
+    lengths, truncated = torch.tensor([2, 3, 4, 6]), torch.tensor([False, False, True, True])
+    # truncated x 0.5: [1, 1, .5, .5]; overlong past 4 - 2 = 2 tokens: -[0, .5, 1, 2] x penalty 1
+    _close(shape_rewards(torch.ones(4, dtype=F64), lengths, truncated, cfg, max_response_length=99),
+           [1.0, 0.5, -0.5, -1.5])
+    # max_response_length null: the caller's (max_new_tokens x turns)
+    cfg_default = RewardShapingConfig(enabled=True, overlong_buffer_length=2, overlong_buffer_penalty=1.0)
+    _close(shape_rewards(torch.ones(4, dtype=F64), lengths, truncated, cfg_default, max_response_length=4),
+           [1.0, 0.5, 0.0, -1.0])
+    r = torch.ones(4)
+    assert shape_rewards(r, lengths, truncated, RewardShapingConfig(), 4) is r
