@@ -40,7 +40,12 @@ def test_kill_and_resume_continues_exactly(tmp_path):
     """4 steps straight vs 2 steps, a new process resuming from the step-2 checkpoint, 2 more."""
     common = ["grpo.val_at_start=false", "grpo.val_period=0", "grpo.val_at_end=false",
               "checkpointing.save_period=2", "grpo.num_prompts_per_step=8", "policy.train_global_batch_size=64",
-              "policy.generation.backend=torch"]  # the fallback engine, end to end (the learning test uses vLLM)
+              "policy.generation.backend=torch",  # the fallback engine, end to end (the learning test uses vLLM)
+              # the trainer's other reward path, end to end: a reference model (restored on resume), its KL taken
+              # off the rewards, REINFORCE++ advantages, shaped rewards
+              "loss_fn.reference_policy_kl_penalty=0.05", "loss_fn.use_kl_in_reward=true",
+              "grpo.adv_estimator.name=reinforce_plus_plus", "grpo.reward_shaping.enabled=true",
+              "grpo.reward_shaping.overlong_buffer_length=2", "grpo.reward_shaping.overlong_buffer_penalty=0.5"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     run_train(straight, "grpo.max_num_steps=4", *common)
     first = run_train(split, "grpo.max_num_steps=2", *common)
@@ -48,7 +53,8 @@ def test_kill_and_resume_continues_exactly(tmp_path):
     a = read_metrics(f"{straight}/logs", "train")
     b = read_metrics(f"{split}/logs", "train")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
-    for key in ("reward", "loss", "grad_norm", "approx_entropy"):
+    assert abs(b[0]["kl_in_reward"]) < 1e-6 < b[3]["kl_in_reward"]  # step 1 is the reference; then it moves away
+    for key in ("reward", "loss", "grad_norm", "approx_entropy", "kl_in_reward", "reward_after_scaling"):
         for ra, rb in zip(a[2:], b[2:]):
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-6), (key, ra["step"])
     assert sorted(os.listdir(f"{split}/ckpt")) == ["step_2", "step_4"]
