@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from nemo_grpo.config import BUILTIN_MODEL_PREFIX
 from nemo_grpo.data.datasets import addition_problems, arithmetic_code_problems
+from nemo_grpo.errors import ConfigError
 from nemo_grpo.models.tiny import EOS_ID, PAD_ID, make_tokenizer, tiny_config
 
 WARM_TARGET = 0.25
@@ -90,7 +91,8 @@ def resolve_model_path(model_name: str, seed: int = 0) -> str:
         return model_name
     name = model_name[len(BUILTIN_MODEL_PREFIX):]
     if name not in BUILTIN_MODELS:
-        raise ValueError(f"policy.model_name: unknown built-in model '{name}'; known: {', '.join(BUILTIN_MODELS)}")
+        raise ConfigError(f"unknown built-in model '{model_name}'; known: "
+                          f"{', '.join(BUILTIN_MODEL_PREFIX + n for n in BUILTIN_MODELS)}")
     path = os.path.join(cache_root(), f"{name}-seed{seed}")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path

@@ -58,6 +58,12 @@ def test_validation_data_path_is_named_as_the_validation_key(tmp_path):
     assert "data.validation.data_path" in line and "val.jsonl" in line
 
 
+def test_unknown_builtin_model_lists_the_known_ones(tmp_path):
+    line = one_error_line(train(tmp_path, "policy.model_name=builtin:nope"))
+    assert line == ("error: config key 'policy.model_name': unknown built-in model 'nope'; known: "
+                    "builtin:tiny-addition, builtin:tiny-code")
+
+
 # ----------------------------------------------------------------------------------------------- data content
 GOOD = b'{"input": "1+1=", "output": "2"}\n'
 
