@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any, Optional
+from typing import Optional
 
 from nemo_grpo.config import (BUILTIN_MODEL_PREFIX, DatasetConfig, MasterConfig, PolicyConfig,
                               RewardModelEnvConfig, RMEvalConfig, RMTrainConfig, read_config)
-from nemo_grpo.errors import ConfigError
 from nemo_grpo.errors import require as _need
 from nemo_grpo.errors import require_choice as _choice
 from nemo_grpo.layout import ParallelLayout, check_inactive_degrees, policy_layout

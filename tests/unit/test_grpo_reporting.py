@@ -4,7 +4,6 @@ samples of its own task), the validation samples it prints, the run's summary li
 import dataclasses
 
 import pytest
-import torch
 
 from nemo_grpo.algorithms.grpo import GRPOState, GRPOTrainer, env_metric_views, format_samples
 from nemo_grpo.algorithms.rollout import collate, new_sample
