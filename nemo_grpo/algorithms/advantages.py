@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 from nemo_grpo.config import GRPOConfig, RewardScalingConfig, RewardShapingConfig
 from nemo_grpo.errors import ConfigError
+from nemo_grpo.utils.registry import registrar
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -176,16 +177,7 @@ def _batch_normalize(adv: torch.Tensor, weights: Optional[torch.Tensor] = None, 
 ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
 
 
-def register_estimator(name: str) -> Callable:
-    """Function decorator: make the estimator selectable as grpo.adv_estimator.name=<name>."""
-
-    def register(fn: Callable) -> Callable:
-        if name in ESTIMATORS:
-            raise ValueError(f"advantage estimator '{name}' is registered twice")
-        ESTIMATORS[name] = fn
-        return fn
-
-    return register
+register_estimator = registrar(ESTIMATORS, "advantage estimator")  # @register_estimator("name")
 
 
 def estimate_advantages(rewards: torch.Tensor, group_size: int, cfg: GRPOConfig,

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from nemo_grpo.algorithms.kl import KL_TYPES, kl_penalty_per_token
 from nemo_grpo.config import LossConfig
 from nemo_grpo.errors import ConfigError, require, require_choice
+from nemo_grpo.utils.registry import registrar
 
 Number = Union[torch.Tensor, float, int]
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -39,16 +40,7 @@ TRUNCATED_IS_TYPES = ("tis", "icepop", "seq-mask-tis")
 LOSSES: dict[str, type] = {}
 
 
-def register_loss(name: str) -> Callable[[type], type]:
-    """Class decorator: make the loss buildable as make_loss(name, cfg)."""
-
-    def register(cls: type) -> type:
-        if name in LOSSES:
-            raise ValueError(f"loss '{name}' is registered twice ({LOSSES[name].__name__}, {cls.__name__})")
-        LOSSES[name] = cls
-        return cls
-
-    return register
+register_loss = registrar(LOSSES, "loss")  # @register_loss("name") on a loss class
 
 
 def make_loss(name: str, cfg: LossConfig, max_sequence_length: Optional[int] = None):
