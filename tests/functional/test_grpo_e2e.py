@@ -111,8 +111,9 @@ OBJECTIVE_STEPS = 200
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_objective_learns(tmp_path, objective):
-    """Reward rises as it does with the default objective (measured at 200 steps, seed 42: default +0.28, GSPO
-    +0.32, CISPO +0.26, Dr.GRPO ...); the criterion is the mean of the last 10 steps >= the first 10 + 0.15."""
+    """Reward rises as it does with the default objective. Measured gains (mean of the last 10 steps - the
+    first 10) at 200 / 400 steps, seed 42: default objective +0.19 / +0.37, GSPO +0.32 / +0.47, CISPO +0.26 /
+    +0.53, Dr.GRPO +0.28 / +0.51. The criterion: >= +0.15 at 200 steps."""
     run_train(tmp_path, "policy.train_global_batch_size=64", f"grpo.max_num_steps={OBJECTIVE_STEPS}",
               "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.enabled=false",
               "logger.plot=false", *OBJECTIVES[objective])
