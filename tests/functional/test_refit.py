@@ -15,7 +15,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from nemo_grpo.algorithms.losses import generation_mismatch_metrics
+from nemo_grpo.algorithms.kl import generation_mismatch_metrics
 from nemo_grpo.config import ClusterConfig, ColocatedConfig, PolicyConfig
 from nemo_grpo.weights.refit import CollectiveRefitter, ObjectStoreRefitter, make_refitter
 from nemo_grpo.generation.torch_engine import TorchGeneration
