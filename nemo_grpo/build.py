@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from nemo_grpo.config import MasterConfig, to_dict
+from nemo_grpo.validation import validate_model_layout
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ def build_trainer(cfg: MasterConfig, *, log_to_driver: bool = True):
     from nemo_grpo.utils.logger import Logger
 
     model_path = resolve_model_path(cfg.policy.model_name, seed=0)
+    validate_model_layout(cfg.policy, model_path)
     tokenizer = load_tokenizer(cfg, model_path)
     loader, val = build_datasets(cfg, tokenizer, problems)
     logger = Logger(cfg.logger, to_dict(cfg))

@@ -134,6 +134,22 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy") -> Non
               key + "layer_spec", "transformer_engine needs Transformer Engine installed (the gpu extra); use local")
 
 
+def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "policy") -> None:
+    """The model's heads, KV heads, MLP width (and layers) split over the layout's tp (and pp): checked from its
+    config.json before any worker starts; a ConfigError names the layout key and the sizes."""
+    from transformers import AutoConfig
+
+    from nemo_grpo.models.spec import check_divisible
+
+    hf = AutoConfig.from_pretrained(model_path)
+    if p.backend == "megatron":
+        m, key = p.megatron_cfg, f"{prefix}.megatron_cfg."
+        check_divisible(hf, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                        key + "tensor_model_parallel_size", key + "pipeline_model_parallel_size")
+    else:
+        check_divisible(hf, p.dtensor_cfg.tensor_parallel_size, 1, f"{prefix}.dtensor_cfg.tensor_parallel_size")
+
+
 def _validate_generation(g) -> None:
     key = "policy.generation."
     _choice(g.backend, key + "backend", ["torch", "vllm"])

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from nemo_grpo.errors import ConfigError
+
 CAUSAL_LM = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 SEQ_CLS = {"LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2",
            "Qwen3ForSequenceClassification": "qwen3"}
@@ -35,6 +37,9 @@ class ModelSpec:
     rope_theta: float
     eps: float
     max_positions: int
+    # HF's nn.Embedding(padding_idx=pad_token_id): that row gets no gradient from the input lookup (it still
+    # does through a tied output layer). SmolLM2's pad is its EOS, <|im_end|>, a token of every chat turn.
+    padding_idx: Optional[int] = None
     transformer_engine: bool = False  # Megatron's TE layer spec: the pre-attention / pre-MLP norms live in the fused linears
 
 
@@ -44,6 +49,21 @@ def _rope_theta(cfg, strict: bool = True) -> float:
     if strict and kind not in (None, "default"):
         raise ValueError(f"megatron back end: rope_type '{kind}' is not supported (only default RoPE)")
     return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
+def check_divisible(cfg, tp: int, pp: int, tp_key: str, pp_key: Optional[str] = None) -> None:
+    """Heads, KV heads and the MLP width must split evenly over tp, the layers over pp; a ConfigError names
+    the layout key and every size it does not divide."""
+    heads = cfg.num_attention_heads
+    sizes = {"num_attention_heads": heads, "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+             "intermediate_size": cfg.intermediate_size}
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        raise ConfigError(f"config key '{tp_key}': {tp} does not divide the model's "
+                          + ", ".join(f"{k}={v}" for k, v in bad.items()))
+    if pp_key and cfg.num_hidden_layers % pp:
+        raise ConfigError(f"config key '{pp_key}': {pp} does not divide the model's "
+                          f"num_hidden_layers={cfg.num_hidden_layers}")
 
 
 def model_spec(cfg, tp: int = 1, pp: int = 1, scalar_head: bool = False,
@@ -62,22 +82,17 @@ def model_spec(cfg, tp: int = 1, pp: int = 1, scalar_head: bool = False,
         raise ValueError(f"{arch} with attention_bias=True (an o_proj bias) is not supported")
     if getattr(cfg, "mlp_bias", False) or getattr(cfg, "use_sliding_window", False):
         raise ValueError(f"{arch} with mlp_bias or sliding-window attention is not supported")
+    check_divisible(cfg, tp, pp, f"{layout_key}.tensor_model_parallel_size",
+                    f"{layout_key}.pipeline_model_parallel_size")
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
-    sizes = {"num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": cfg.intermediate_size}
-    bad = {k: v for k, v in sizes.items() if v % tp}
-    if bad:
-        raise ValueError(f"{layout_key}.tensor_model_parallel_size={tp} does not divide the model's "
-                         + ", ".join(f"{k}={v}" for k, v in bad.items()))
-    if cfg.num_hidden_layers % pp:
-        raise ValueError(f"{layout_key}.pipeline_model_parallel_size={pp} does not divide the model's "
-                         f"num_hidden_layers={cfg.num_hidden_layers}")
     return ModelSpec(
         family=family, num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ffn=cfg.intermediate_size,
         heads=heads, kv_heads=kv, head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         vocab=cfg.vocab_size, padded_vocab=-(-cfg.vocab_size // tp) * tp, qkv_bias=family == "qwen2",
         qk_norm=family == "qwen3", tied=bool(getattr(cfg, "tie_word_embeddings", False)) and not scalar_head,
         scalar_head=scalar_head, rope_theta=_rope_theta(cfg, strict=not any_rope), eps=cfg.rms_norm_eps,
+        padding_idx=getattr(cfg, "pad_token_id", None),
         max_positions=cfg.max_position_embeddings, transformer_engine=transformer_engine)
 
 

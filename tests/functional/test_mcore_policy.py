@@ -99,6 +99,20 @@ class TestTensorParallel:
 
 
 # ---------------------------------------------------------------------------------------------- PP=2, DP=2
+@pytest.mark.parametrize("layout", ["tp1", "tp2_sp"])
+def test_pad_token_inside_the_text_gets_hf_gradients(ray_cluster, tiny_model_dir, layout):
+    """HF's embedding gives its pad_token_id row no gradient from the input lookup (nn.Embedding padding_idx);
+    a model whose pad token is a real token (SmolLM2: pad = EOS = <|im_end|>) must train the same on Megatron,
+    with or without sequence parallelism (the embedding output then holds this rank's chunk of the sequence)."""
+    path = tiny_model_dir("qwen2")
+    batch = make_batch(4, seed=6)
+    pad = load_hf(path).config.pad_token_id
+    batch["input_ids"][:, 1::2] = torch.where(batch["token_mask"][:, 1::2] > 0, pad, batch["input_ids"][:, 1::2])
+    assert (batch["input_ids"] == pad)[batch["token_mask"] > 0].sum() > 4  # trained positions hold the pad token
+    with megatron_policy(path, layout) as policy:
+        check_train_parity(policy, path, batch)
+
+
 @pytest.mark.parametrize("arch,layout,recompute", [("qwen2", "pp2", False), ("llama", "dp2", True)])
 def test_train_matches_single_process(ray_cluster, tiny_model_dir, arch, layout, recompute):
     """PP=2: 4 micro-batches per step through 1F1B, the tied embedding's gradient summed over both stages;

@@ -70,9 +70,9 @@ def test_unknown_architecture_is_named():
 
 def test_sizes_that_do_not_split_are_named():
     cfg, _ = hf_state("llama")
-    with pytest.raises(ValueError, match="tensor_model_parallel_size=3 .*num_attention_heads=4"):
+    with pytest.raises(ValueError, match="tensor_model_parallel_size': 3 .*num_attention_heads=4"):
         model_spec(cfg, tp=3)
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size=3 .*num_hidden_layers=4"):
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size': 3 .*num_hidden_layers=4"):
         model_spec(cfg, pp=3)
 
 

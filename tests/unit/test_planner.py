@@ -301,7 +301,7 @@ def test_model_errors_name_the_key(capsys):
     assert plan_main(["--config", dtensor, "policy.model_name=/models/Llama-3.1-8B-Instruct"]) == 0
     assert plan_main(["--config", megatron, "policy.model_name=/models/my-model"]) == 2
     assert "policy.model_name: '/models/my-model' has no config.json" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="tensor_model_parallel_size=16 does not divide the model's "
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size': 16 does not divide the model's "
                                           "num_key_value_heads=8"):
         plan_recipe(megatron, ["cluster.num_nodes=2", "policy.megatron_cfg.tensor_model_parallel_size=16"])
 

@@ -24,6 +24,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from nemo_grpo.models.spec import check_divisible
+
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROWWISE = ("o_proj", "down_proj")
 LOCAL_HEAD_NORMS = ("q_norm", "k_norm")  # Qwen3: RMSNorm over head_dim applied per (local) head
@@ -43,17 +45,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def check_tp_divisible(config, tp: int) -> None:
-    """Heads, KV heads and the MLP width must split evenly over tp; the message names the offending size."""
-    sizes = {"num_attention_heads": config.num_attention_heads,
-             "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-             "intermediate_size": config.intermediate_size}
-    bad = {k: v for k, v in sizes.items() if v % tp}
-    if bad:
-        raise ValueError(f"policy.dtensor_cfg.tensor_parallel_size={tp} does not divide the model's "
-                         + ", ".join(f"{k}={v}" for k, v in bad.items()))
-
-
 def tp_plan(model: nn.Module) -> dict:
     """module name -> ParallelStyle for the projections of every decoder layer."""
     plan = {}
@@ -69,7 +60,7 @@ def tp_plan(model: nn.Module) -> dict:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    check_tp_divisible(model.config, tp_mesh.size())
+    check_divisible(model.config, tp_mesh.size(), 1, "policy.dtensor_cfg.tensor_parallel_size")
     parallelize_module(model, tp_mesh, tp_plan(model))
 
 

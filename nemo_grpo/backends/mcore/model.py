@@ -80,7 +80,30 @@ def build_gpt(spec: ModelSpec, config) -> nn.Module:
         rotary_base=int(spec.rope_theta), parallel_output=True)
     if spec.scalar_head and post:
         model.output_layer = ScalarHead(spec.hidden, config.sequence_parallel, config.params_dtype)
+    if spec.padding_idx is not None and model.pre_process:
+        model.embedding.word_embeddings.register_forward_hook(_padding_row_without_lookup_grad(spec.padding_idx))
     return model
+
+
+def _padding_row_without_lookup_grad(padding_idx: int):
+    """Forward hook on the word embedding (input ids [b, s] -> [b, s, h], or [s / tp, b, h] under sequence
+    parallelism): positions holding padding_idx pass
+    their embedding on detached, so that row gets no gradient from the lookup, as HF's
+    nn.Embedding(padding_idx=pad_token_id); measured on SmolLM2 (pad = EOS, in every chat turn): without it the
+    tied embedding's gradient was 6% off HF's."""
+
+    def hook(module, args, output):
+        is_pad = args[0] == padding_idx  # [b, s]
+        if output.shape[:2] == is_pad.shape:  # [b, s, h]
+            mask = is_pad[..., None]
+        else:  # sequence parallel: reduce-scattered to this TP rank's chunk of the sequence, [s / tp, b, h]
+            from megatron.core import parallel_state as ps
+
+            chunk, rank = output.shape[0], ps.get_tensor_model_parallel_rank()
+            mask = is_pad.t()[rank * chunk : (rank + 1) * chunk, :, None]
+        return torch.where(mask, output.detach(), output)
+
+    return hook
 
 
 def hf_tensor_reader(model_dir: str) -> Callable[[str], torch.Tensor]:
