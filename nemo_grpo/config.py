@@ -92,6 +92,17 @@ class GenerationConfig:
 
 
 @dataclass
+class DynamicBatchingConfig:
+    """policy.dynamic_batching (NeMo RL's keys): each rank's rows sorted by length and cut into micro-batches
+    whose padded size (rows x longest row, rounded up to sequence_length_round) stays within a token budget;
+    replaces train_micro_batch_size / logprob_batch_size when enabled."""
+    enabled: bool = False
+    train_mb_tokens: Optional[int] = None  # padded tokens per training micro-batch
+    logprob_mb_tokens: Optional[int] = None  # padded tokens per get_logprobs / score forward
+    sequence_length_round: int = 64
+
+
+@dataclass
 class TokenizerConfig:
     name: Optional[str] = None  # local HF directory; null = policy.model_name
     chat_template: Optional[str] = None  # Jinja template overriding the tokenizer's own
@@ -113,6 +124,7 @@ class PolicyConfig:
     dtensor_cfg: DTensorConfig = field(default_factory=DTensorConfig)
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
 
 
 # ----------------------------------------------------------------------------------------------- loss / grpo

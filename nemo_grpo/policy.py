@@ -18,17 +18,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
-from nemo_grpo.backends.batching import batch_size_of, slice_batch, split_sizes
+from nemo_grpo.backends.batching import (batch_size_of, equalize_group_counts, slice_batch, split_sizes,
+                                       token_budget_groups)
 from nemo_grpo.layout import policy_layout
 
 log = logging.getLogger(__name__)
 TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
 # metrics every rank computes alike (rank 0's are taken): averaged over a call's optimizer steps, or summed
-RANK0_MEAN, RANK0_SUM = ("grad_norm", "lr"), ("skipped_steps",)
+RANK0_MEAN, RANK0_SUM = ("grad_norm", "lr", "micro_batches"), ("skipped_steps",)
 
 
 def _check_keys(batch: dict[str, Any], keys, what: str) -> None:
@@ -78,12 +79,22 @@ class Policy:
                  cfg.backend, ", ".join(sorted(set(self.devices))), self.dist_backend, self.startup_s)
 
     # ------------------------------------------------------------------------------------------ dispatch
-    def _per_rank(self, shards: list[Any]) -> list[tuple]:
-        """One object-store copy per DP shard; every rank of a DP group gets the same reference."""
+    def _per_rank(self, shards: list[Any], *extra_per_dp: list[Any]) -> list[tuple]:
+        """One object-store copy per DP shard; every rank of a DP group gets the same reference (and the same
+        entry of each `extra_per_dp` list)."""
         import ray
 
         refs = [ray.put(s) for s in shards]
-        return [(refs[d],) for d in self._dp_rank_of]
+        return [(refs[d], *(extra[d] for extra in extra_per_dp)) for d in self._dp_rank_of]
+
+    def _micro_batch_plan(self, shards: list[dict[str, Any]], budget: Optional[int]) -> Optional[list]:
+        """Dynamic batching (policy.dynamic_batching): per DP shard, its rows grouped under the token budget by
+        length, with the same number of groups on every shard; None when dynamic batching is off."""
+        db = self.cfg.dynamic_batching
+        if not db.enabled:
+            return None
+        return equalize_group_counts([token_budget_groups(s["input_lengths"].tolist(), budget,
+                                                          db.sequence_length_round) for s in shards])
 
     def _gather(self, refs: list) -> list[Any]:
         """Results of the output rank of each DP group, in DP order."""
@@ -103,7 +114,9 @@ class Policy:
         sizes = split_sizes(n, self.dp_size)
         starts = [sum(sizes[:d]) for d in range(self.dp_size)]
         shards = [_pad_rows(slice_batch(inputs, s, s + k), max(sizes), inputs) for s, k in zip(starts, sizes)]
-        outs = self._gather(self.group.run_each(method, self._per_rank(shards)))
+        plan = self._micro_batch_plan(shards, self.cfg.dynamic_batching.logprob_mb_tokens)
+        args = self._per_rank(shards) if plan is None else self._per_rank(shards, plan)
+        outs = self._gather(self.group.run_each(method, args))
         return torch.cat([out[:k] for out, k in zip(outs, sizes)])
 
     # ------------------------------------------------------------------------------------------ inference
@@ -151,9 +164,11 @@ class Policy:
             sample_mask = gb["sample_mask"].float()  # [gbs]
             gvs = sample_mask.sum()
             gvt = (gb["token_mask"].float() * sample_mask[:, None]).sum()
+            shards = [slice_batch(gb, d * gbs // dp, (d + 1) * gbs // dp) for d in range(dp)]
+            plan = self._micro_batch_plan(shards, self.cfg.dynamic_batching.train_mb_tokens)
             for d in range(dp):
-                shard = slice_batch(gb, d * gbs // dp, (d + 1) * gbs // dp)
-                per_dp[d].append({"data": shard, "global_valid_seqs": gvs, "global_valid_toks": gvt})
+                step = {"data": shards[d], "global_valid_seqs": gvs, "global_valid_toks": gvt}
+                per_dp[d].append(step if plan is None else {**step, "micro_batches": plan[d]})
         import ray
 
         refs = self.group.run_each("train", self._per_rank(per_dp), loss_fn=ray.put(loss_fn))

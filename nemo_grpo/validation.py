@@ -125,6 +125,7 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy") -> Non
         _need_model_dir(p.model_name, f"{prefix}.model_name", "a Hugging Face model directory or builtin:tiny-addition")
     m = p.megatron_cfg
     check_inactive_degrees(p.dtensor_cfg, m, prefix)
+    _validate_dynamic_batching(p, prefix)
     if p.backend == "megatron":
         key = f"{prefix}.megatron_cfg."
         _need(m.context_parallel_size == 1, key + "context_parallel_size",
@@ -132,6 +133,19 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy") -> Non
         _choice(m.layer_spec, key + "layer_spec", ["local", "transformer_engine"])
         _need(m.layer_spec == "local" or importlib.util.find_spec("transformer_engine") is not None,
               key + "layer_spec", "transformer_engine needs Transformer Engine installed (the gpu extra); use local")
+
+
+def _validate_dynamic_batching(p: PolicyConfig, prefix: str) -> None:
+    db, key = p.dynamic_batching, f"{prefix}.dynamic_batching."
+    if not db.enabled:
+        return
+    _positive(db.train_mb_tokens, key + "train_mb_tokens")
+    _positive(db.logprob_mb_tokens, key + "logprob_mb_tokens")
+    _positive(db.sequence_length_round, key + "sequence_length_round")
+    pp = p.megatron_cfg.pipeline_model_parallel_size
+    _need(p.backend != "megatron" or pp == 1, key + "enabled",
+          f"not with pipeline parallelism yet (policy.megatron_cfg.pipeline_model_parallel_size={pp}): the "
+          f"pipeline schedule needs micro-batches of equal shape; set one of them off")
 
 
 def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "policy") -> None:

@@ -31,6 +31,57 @@ def slice_batch(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
     return out
 
 
+def take_rows(batch: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+    """The rows `rows` (in that order) of every per-sample entry; other values as-is (cf. slice_batch)."""
+    n = batch_size_of(batch)
+    index = torch.tensor(rows, dtype=torch.long)
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
+            out[key] = value.index_select(0, index.to(value.device))
+        elif isinstance(value, (list, tuple)) and len(value) == n:
+            out[key] = [value[i] for i in rows]
+        else:
+            out[key] = value
+    return out
+
+
+def token_budget_groups(lengths: list[int], budget: int, round_to: int) -> list[list[int]]:
+    """Dynamic batching: row indices sorted by length (longest first) and cut into consecutive groups whose
+    padded size, rows x (longest length rounded up to round_to), stays within `budget` tokens; a row longer
+    than the budget is a group of its own. lengths [n] -> groups of indices covering 0..n-1 once."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        padded = -(-max(int(lengths[i]), 1) // round_to) * round_to
+        if current and max(longest, padded) * (len(current) + 1) > budget:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, padded)
+    return groups + ([current] if current else [])
+
+
+def equalize_group_counts(groups_per_rank: list[list[list[int]]]) -> list[list[list[int]]]:
+    """Split the largest groups of the ranks that have fewer until every rank has as many: FSDP's collectives and
+    the data-parallel gradient reduction need the same number of forwards on every rank. Each rank needs at
+    least that many rows (the Policy gives every rank the same number of rows)."""
+    target = max(len(groups) for groups in groups_per_rank)
+    out = []
+    for groups in groups_per_rank:
+        groups = [list(g) for g in groups]
+        while len(groups) < target:
+            k = max(range(len(groups)), key=lambda j: len(groups[j]))
+            if len(groups[k]) < 2:
+                raise ValueError(f"cannot split {sum(map(len, groups))} rows into {target} micro-batches")
+            g = groups.pop(k)
+            groups[k:k] = [g[: len(g) // 2], g[len(g) // 2:]]
+        out.append(groups)
+    return out
+
+
 def split_sizes(n: int, parts: int) -> list[int]:
     """n rows into `parts` contiguous shards as even as possible (the first n % parts get one more)."""
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from nemo_grpo.backends import checkpoint_state
-from nemo_grpo.backends.batching import batch_size_of, slice_batch, trimmed_inputs
+from nemo_grpo.backends.batching import batch_size_of, take_rows, trimmed_inputs
 from nemo_grpo.backends.optimizer import build_optimizer, clip_coefficient, lr_warmup_factor
 from nemo_grpo.layout import ParallelLayout, policy_layout
 from nemo_grpo.weights.sender import WeightSender
@@ -204,25 +204,32 @@ class PolicyWorker(WeightSender, ABC):
         return self._forward_logprobs(mb)
 
     @torch.no_grad()
-    def _chunked(self, data: dict[str, Any], fn) -> Optional[torch.Tensor]:
-        """Run fn over chunks of policy.logprob_batch_size rows in eval mode; the concatenation on output ranks."""
+    def _chunked(self, data: dict[str, Any], fn, micro_batches: Optional[list[list[int]]] = None
+                 ) -> Optional[torch.Tensor]:
+        """Run fn in eval mode over chunks of policy.logprob_batch_size rows, or over the row groups
+        `micro_batches` (dynamic batching); the results in row order on output ranks."""
         self.model.eval()
         n, size = batch_size_of(data), self.cfg.logprob_batch_size
-        outs = [fn(self._to_device(slice_batch(data, s, min(s + size, n)))).cpu() for s in range(0, n, size)]
-        return torch.cat(outs) if self.output_rank else None
+        groups = micro_batches or [list(range(s, min(s + size, n))) for s in range(0, n, size)]
+        outs = torch.cat([fn(self._to_device(take_rows(data, g))).cpu() for g in groups])
+        order = torch.tensor([i for g in groups for i in g])
+        return torch.empty_like(outs).index_copy_(0, order, outs) if self.output_rank else None
 
-    def get_logprobs(self, data: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+    def get_logprobs(self, data: dict[str, torch.Tensor], micro_batches: Optional[list[list[int]]] = None
+                     ) -> Optional[torch.Tensor]:
         """This DP rank's rows (input_ids, input_lengths) -> logprobs [b, T] (None on non-output ranks)."""
-        return self._chunked(data, self._forward_logprobs)
+        return self._chunked(data, self._forward_logprobs, micro_batches)
 
-    def get_reference_logprobs(self, data: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+    def get_reference_logprobs(self, data: dict[str, torch.Tensor], micro_batches: Optional[list[list[int]]] = None
+                               ) -> Optional[torch.Tensor]:
         """Like get_logprobs, with the initial weights swapped in for the forward and swapped back after."""
         if self.reference is None:
             raise RuntimeError("get_reference_logprobs: this policy was built with init_reference=False")
         with self._reference_weights():
-            return self.get_logprobs(data)
+            return self.get_logprobs(data, micro_batches)
 
-    def score(self, data: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+    def score(self, data: dict[str, torch.Tensor], micro_batches: Optional[list[list[int]]] = None
+              ) -> Optional[torch.Tensor]:
         """This DP rank's rows -> scalar-head scores [b] at the last real token (None on non-output ranks)."""
         if not self.scalar_head:
             raise RuntimeError("score: this policy has no scalar head (build it with scalar_head=True)")
@@ -231,7 +238,7 @@ class PolicyWorker(WeightSender, ABC):
             ids, mask, _ = trimmed_inputs(mb)
             return self._scores(ids, mask, mb["input_lengths"]).float()
 
-        return self._chunked(data, fn)
+        return self._chunked(data, fn, micro_batches)
 
     @contextlib.contextmanager
     def _reference_weights(self) -> Iterator[None]:
@@ -249,22 +256,27 @@ class PolicyWorker(WeightSender, ABC):
 
     # ------------------------------------------------------------------------------------------ training
     def train(self, steps: list[dict[str, Any]], loss_fn) -> list[dict[str, float]]:
-        """One optimizer step per entry {"data": this rank's rows, "global_valid_seqs", "global_valid_toks"}.
+        """One optimizer step per entry {"data": this rank's rows, "global_valid_seqs", "global_valid_toks"} (and
+        "micro_batches": row groups, with dynamic batching).
 
         Returns per step: the loss-fn metrics (and "loss") summed over this rank's micro-batches, plus
         "grad_norm" (global, pre-clip) and "lr" (the rate the step used).
         """
         self.model.train()
-        return [self._train_step(s["data"], loss_fn, s["global_valid_seqs"], s["global_valid_toks"]) for s in steps]
+        return [self._train_step(s["data"], loss_fn, s["global_valid_seqs"], s["global_valid_toks"],
+                                 s.get("micro_batches")) for s in steps]
 
-    def _train_step(self, data: dict[str, Any], loss_fn, global_valid_seqs, global_valid_toks) -> dict[str, float]:
-        """zero_grad -> forward/backward over micro-batches -> finish grads -> clip -> step; written once.
-        A non-finite gradient norm skips the optimizer and scheduler step ("skipped_steps": 1)."""
+    def _train_step(self, data: dict[str, Any], loss_fn, global_valid_seqs, global_valid_toks,
+                    groups: Optional[list[list[int]]] = None) -> dict[str, float]:
+        """zero_grad -> forward/backward over micro-batches (policy.train_micro_batch_size rows, or the row
+        groups of dynamic batching) -> finish grads -> clip -> step; written once. A non-finite gradient norm
+        skips the optimizer and scheduler step ("skipped_steps": 1)."""
         self.optimizer.zero_grad(set_to_none=True)
         n, size = batch_size_of(data), self.cfg.train_micro_batch_size
         gvs = torch.as_tensor(global_valid_seqs, dtype=torch.float32, device=self.device)
         gvt = torch.as_tensor(global_valid_toks, dtype=torch.float32, device=self.device)
-        micro_batches = [slice_batch(data, s, min(s + size, n)) for s in range(0, n, size)]
+        groups = groups or [list(range(s, min(s + size, n))) for s in range(0, n, size)]
+        micro_batches = [take_rows(data, g) for g in groups]
         totals = self._forward_backward(micro_batches, loss_fn, gvs, gvt)
         self._finish_gradients()
         grad_norm = self._grad_norm()
@@ -278,7 +290,8 @@ class PolicyWorker(WeightSender, ABC):
             self._after_optimizer_step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {**totals, "grad_norm": grad_norm, "lr": lr, "skipped_steps": float(coef is None)}
+        return {**totals, "grad_norm": grad_norm, "lr": lr, "skipped_steps": float(coef is None),
+                "micro_batches": float(len(micro_batches))}
 
     def _forward_backward(self, micro_batches: list[dict[str, Any]], loss_fn, gvs: torch.Tensor,
                           gvt: torch.Tensor) -> dict[str, float]:

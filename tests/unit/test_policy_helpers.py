@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nemo_grpo.backends.batching import (attention_mask_from_lengths, slice_batch, split_sizes,
-                                         token_logprobs_from_logits)
+from nemo_grpo.backends.batching import (attention_mask_from_lengths, equalize_group_counts, slice_batch,
+                                         split_sizes, take_rows, token_budget_groups, token_logprobs_from_logits)
 from nemo_grpo.backends.dtensor.parallelize import grad_norm
 from nemo_grpo.backends.optimizer import clip_coefficient, lr_warmup_factor
 from nemo_grpo.config import ClusterConfig, PolicyConfig
@@ -30,6 +30,30 @@ def test_slice_batch_slices_per_sample_entries_only():
     assert torch.equal(out["input_ids"], torch.tensor([[3, 4, 5], [6, 7, 8]]))
     assert out["text"] == ["b", "c"]
     assert out["scalar"] is batch["scalar"] and out["other"] == 3 and out["rows_mismatch"] is batch["rows_mismatch"]
+
+
+def test_token_budget_groups_sort_by_length_and_respect_the_budget():
+    lengths = [5, 30, 12, 64, 3, 33, 17, 9]
+    # longest first: rows 3 5 1 6 2 7 0 4, rounded up to 16: 64 48 32 32 16 16 16 16; budget 96:
+    # [64] | 48 x 2 | 32 x 3 | 16 x 2
+    groups = token_budget_groups(lengths, budget=96, round_to=16)
+    assert groups == [[3], [5, 1], [6, 2, 7], [0, 4]]
+    for g in groups:  # rows x the longest row, rounded, within budget
+        assert len(g) * max(-(-lengths[i] // 16) * 16 for i in g) <= 96
+    assert token_budget_groups([200, 10], budget=64, round_to=1) == [[0], [1]]  # a row over budget: alone
+
+
+def test_equalize_group_counts_splits_the_largest_groups():
+    plan = equalize_group_counts([[[0, 1, 2, 3]], [[0], [1], [2, 3]]])
+    assert plan == [[[0], [1], [2, 3]], [[0], [1], [2, 3]]]
+    with pytest.raises(ValueError, match="cannot split 1 rows into 2"):
+        equalize_group_counts([[[0]], [[0], [1]]])
+
+
+def test_take_rows_in_the_given_order():
+    batch = {"input_ids": torch.arange(8).view(4, 2), "text": ["a", "b", "c", "d"], "n": 4}
+    out = take_rows(batch, [2, 0])
+    assert out["input_ids"].tolist() == [[4, 5], [0, 1]] and out["text"] == ["c", "a"] and out["n"] == 4
 
 
 def test_pad_rows_repeats_filler_row():
@@ -93,14 +117,13 @@ def test_non_finite_norm_means_skip():
 
 
 def test_aggregate_sums_over_dp_and_averages_steps():
-    per_dp = [[{"loss": 1.0, "grad_norm": 9.0, "lr": 9.0, "skipped_steps": 9.0}, {"loss": 3.0, "grad_norm": 9.0,
-                                                                                "lr": 9.0, "skipped_steps": 9.0}],
-              [{"loss": 2.0, "grad_norm": 9.0, "lr": 9.0, "skipped_steps": 9.0}, {"loss": 4.0, "grad_norm": 9.0,
-                                                                                "lr": 9.0, "skipped_steps": 9.0}]]
-    rank0 = [{"loss": 1.0, "grad_norm": 2.0, "lr": 0.1, "skipped_steps": 1.0},
-             {"loss": 3.0, "grad_norm": 4.0, "lr": 0.3, "skipped_steps": 1.0}]
+    nine = {"grad_norm": 9.0, "lr": 9.0, "skipped_steps": 9.0, "micro_batches": 9.0}  # rank 0's count, not these
+    per_dp = [[{"loss": 1.0, **nine}, {"loss": 3.0, **nine}], [{"loss": 2.0, **nine}, {"loss": 4.0, **nine}]]
+    rank0 = [{"loss": 1.0, "grad_norm": 2.0, "lr": 0.1, "skipped_steps": 1.0, "micro_batches": 2.0},
+             {"loss": 3.0, "grad_norm": 4.0, "lr": 0.3, "skipped_steps": 1.0, "micro_batches": 1.0}]
     out = Policy._aggregate(per_dp, rank0)
-    assert out == pytest.approx({"loss": 5.0, "grad_norm": 3.0, "lr": 0.2, "skipped_steps": 2.0})
+    assert out == pytest.approx({"loss": 5.0, "grad_norm": 3.0, "lr": 0.2, "skipped_steps": 2.0,
+                                 "micro_batches": 1.5})
 
 
 def test_bad_layout_fails_before_anything_starts():
