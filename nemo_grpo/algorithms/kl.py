@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from nemo_grpo.algorithms.masked import masked_mean, masked_sum
+
 KL_TYPES = ("k1", "k2", "k3")
 
 
@@ -93,8 +95,7 @@ def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.
                 input_clamp: Optional[float] = 20.0) -> torch.Tensor:
     """Per-sample KL estimate [b]: the sum over the sample's response tokens (mask [b, T]) of the per-token
     estimator, for loss_fn.use_kl_in_reward (the sequence's KL(pi || pi_ref) as a reward penalty)."""
-    kl = calculate_kl(logprobs, ref_logprobs, kl_type, input_clamp)
-    return torch.where(mask != 0, kl * mask, torch.zeros_like(kl)).sum(-1)
+    return masked_sum(calculate_kl(logprobs, ref_logprobs, kl_type, input_clamp), mask, dim=-1)
 
 
 def generation_mismatch_metrics(policy_logprobs: torch.Tensor, generation_logprobs: torch.Tensor,
@@ -120,11 +121,9 @@ def generation_mismatch_metrics(policy_logprobs: torch.Tensor, generation_logpro
         g = torch.where(mask != 0, generation_logprobs.to(dtype), zero)  # [B, T]
         x = p - g
         m = torch.logaddexp(p, g) - math.log(2.0)  # log of the mixture's probability
-        count = mask.sum()
 
         def mean(v: torch.Tensor) -> float:
-            total = torch.where(mask != 0, v * mask, zero).sum()
-            return (total / count).item() if count > 0 else 0.0
+            return masked_mean(v, mask).item()
 
         return {
             "token_mult_prob_error": mean(torch.exp(x.abs())),

@@ -23,16 +23,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
-from nemo_grpo.algorithms.kl import KL_TYPES, kl_penalty_per_token
+from nemo_grpo.algorithms.kl import KL_TYPES, kl_penalty_per_token, score_weight
+from nemo_grpo.algorithms.masked import Number, safe_div, masked_mean, masked_sum
 from nemo_grpo.config import LossConfig
 from nemo_grpo.errors import ConfigError, require, require_choice
 from nemo_grpo.utils.registry import registrar
 
-Number = Union[torch.Tensor, float, int]
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 TRUNCATED_IS_TYPES = ("tis", "icepop", "seq-mask-tis")
 
@@ -47,34 +47,12 @@ def make_loss(name: str, cfg: LossConfig, max_sequence_length: Optional[int] = N
     """The registered loss `name` built from cfg; an unknown name lists the known ones. max_sequence_length is
     Dr.GRPO's constant normalizer (policy.max_total_sequence_length)."""
     if name not in LOSSES:
-        raise ConfigError(f"loss_fn.name: unknown loss '{name}'; known losses: {', '.join(sorted(LOSSES))}")
+        raise ConfigError(f"config key 'loss_fn.name': unknown loss '{name}'; known losses: "
+                          f"{', '.join(sorted(LOSSES))}")
     return LOSSES[name](cfg, max_sequence_length)
 
 
-# ----------------------------------------------------------------------------------------------- helpers
-def _safe_div(num: torch.Tensor, den: Number) -> torch.Tensor:
-    """num / den, with 0 / 0 = 0 (a batch with no valid token contributes nothing instead of nan)."""
-    den = torch.as_tensor(den, dtype=num.dtype, device=num.device)
-    return num / torch.where(den != 0, den, torch.ones_like(den))
-
-
-def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """sum(values * mask) over `dim` (all dims when None). Where mask is 0 the value is never read, so an
-    inf or nan there does not leak into the sum."""
-    weighted = torch.where(mask != 0, values * mask, torch.zeros_like(values))
-    return weighted.sum() if dim is None else weighted.sum(dim)
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None,
-                global_normalization_factor: Optional[Number] = None) -> torch.Tensor:
-    """masked_sum / sum(mask) over `dim`, or / global_normalization_factor when given (then the result is a
-    contribution to a global mean). An empty mask gives 0."""
-    den = mask.sum() if dim is None else mask.sum(dim)
-    if global_normalization_factor is not None:
-        den = global_normalization_factor
-    return _safe_div(masked_sum(values, mask, dim), den)
-
-
+# ----------------------------------------------------------------------------------------------- aggregation
 def aggregation_of(cfg: LossConfig) -> str:
     """The loss aggregation in force: loss_fn.loss_aggregation, or the one token_level_loss names."""
     if cfg.loss_aggregation is not None:
@@ -96,7 +74,7 @@ def aggregate_loss(values: torch.Tensor, token_mask: torch.Tensor, sample_mask: 
       on the length of its answer.
     """
     if mode == "token_mean":
-        return _safe_div(masked_sum(values, token_mask * sample_mask[:, None]), global_valid_toks)
+        return safe_div(masked_sum(values, token_mask * sample_mask[:, None]), global_valid_toks)
     if mode == "seq_mean_token_mean":
         per_sample = masked_mean(values, token_mask, dim=-1)  # [b]
     elif mode == "seq_mean_token_sum_norm":
@@ -105,12 +83,7 @@ def aggregate_loss(values: torch.Tensor, token_mask: torch.Tensor, sample_mask: 
         per_sample = masked_sum(values, token_mask, dim=-1) / max_sequence_length  # [b]
     else:
         raise ValueError(f"unknown loss aggregation '{mode}'; known: {', '.join(AGGREGATIONS)}")
-    return _safe_div(masked_sum(per_sample, sample_mask), global_valid_seqs)
-
-
-def _finite_weights(log_w: torch.Tensor) -> torch.Tensor:
-    """exp(log_w), detached; nan and +-inf become 0 (a token with an overflowing weight is dropped, as NeMo RL)."""
-    return torch.nan_to_num(torch.exp(log_w.detach()), nan=0.0, posinf=0.0, neginf=0.0)
+    return safe_div(masked_sum(per_sample, sample_mask), global_valid_seqs)
 
 
 # ----------------------------------------------------------------------------------------------- objectives
@@ -311,7 +284,7 @@ class ClippedPGLoss:
 
         with torch.no_grad():
             def per_token(v: torch.Tensor) -> float:  # contribution to the mean over the global batch's tokens
-                return _safe_div(masked_sum(v, mask), global_valid_toks).item()
+                return safe_div(masked_sum(v, mask), global_valid_toks).item()
 
             metrics = {
                 "loss": loss.item(),
@@ -351,9 +324,9 @@ class ClippedPGLoss:
         """Detached importance weights pi_old / pi_gen [b, T] (per sequence under GSPO), truncated as configured."""
         c = self.cfg
         if c.sequence_level_importance_ratios:
-            w = _finite_weights(masked_sum(prev - gen, token_mask, dim=-1))[:, None].expand_as(prev)
+            w = score_weight(masked_sum(prev - gen, token_mask, dim=-1).detach(), None)[:, None].expand_as(prev)
         else:
-            w = _finite_weights(prev - gen)
+            w = score_weight((prev - gen).detach(), None)  # an overflowing weight is 0
         stats = {}
         kind = c.truncated_importance_sampling_type or ("tis" if c.truncated_importance_sampling_ratio else None)
         if kind is not None:
