@@ -57,11 +57,9 @@ def _positive(value, key: str, nullable: bool = False) -> None:
 
 def _need_model_dir(path: str, key: str, what: str) -> None:
     if path.startswith(BUILTIN_MODEL_PREFIX):
-        from nemo_grpo.models.builtin import BUILTIN_MODELS
+        from nemo_grpo.models.builtin import builtin_name
 
-        name = path[len(BUILTIN_MODEL_PREFIX):]
-        _need(name in BUILTIN_MODELS, key, f"unknown built-in model '{name}'; known: "
-              f"{', '.join(BUILTIN_MODEL_PREFIX + n for n in BUILTIN_MODELS)}")
+        builtin_name(path, key)
         return
     _need(os.path.isdir(path), key, f"'{path}' is not a local directory ({what})")
 

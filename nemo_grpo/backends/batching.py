@@ -17,33 +17,38 @@ def batch_size_of(batch: dict[str, Any]) -> int:
     return int(batch["input_ids"].shape[0])
 
 
-def slice_batch(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
-    """Rows [start, stop) of every per-sample entry (tensors and lists with B entries); other values as-is."""
+def _per_sample(batch: dict[str, Any], rows) -> dict[str, Any]:
+    """rows(value) applied to every per-sample entry (tensors and lists with B entries); other values as-is."""
     n = batch_size_of(batch)
     out = {}
     for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
-            out[key] = value[start:stop]
-        elif isinstance(value, (list, tuple)) and len(value) == n:
-            out[key] = value[start:stop]
-        else:
-            out[key] = value
+        per_sample = ((isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n)
+                      or (isinstance(value, (list, tuple)) and len(value) == n))
+        out[key] = rows(value) if per_sample else value
     return out
+
+
+def slice_batch(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+    """Rows [start, stop) of every per-sample entry (tensors and lists with B entries); other values as-is."""
+    return _per_sample(batch, lambda value: value[start:stop])
 
 
 def take_rows(batch: dict[str, Any], rows: list[int]) -> dict[str, Any]:
     """The rows `rows` (in that order) of every per-sample entry; other values as-is (cf. slice_batch)."""
-    n = batch_size_of(batch)
     index = torch.tensor(rows, dtype=torch.long)
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
-            out[key] = value.index_select(0, index.to(value.device))
-        elif isinstance(value, (list, tuple)) and len(value) == n:
-            out[key] = [value[i] for i in rows]
-        else:
-            out[key] = value
-    return out
+
+    def pick(value):
+        if isinstance(value, torch.Tensor):
+            return value.index_select(0, index.to(value.device))
+        return [value[i] for i in rows]
+
+    return _per_sample(batch, pick)
+
+
+def fixed_size_groups(n: int, size: int) -> list[list[int]]:
+    """Rows 0..n-1 in consecutive groups of `size` (the last may be shorter): the micro-batches without
+    dynamic batching."""
+    return [list(range(s, min(s + size, n))) for s in range(0, n, size)]
 
 
 def token_budget_groups(lengths: list[int], budget: int, round_to: int) -> list[list[int]]:

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from nemo_grpo.backends import checkpoint_state
-from nemo_grpo.backends.batching import batch_size_of, take_rows, trimmed_inputs
+from nemo_grpo.backends.batching import batch_size_of, fixed_size_groups, take_rows, trimmed_inputs
 from nemo_grpo.backends.optimizer import build_optimizer, clip_coefficient, lr_warmup_factor
 from nemo_grpo.layout import ParallelLayout, policy_layout
 from nemo_grpo.weights.sender import WeightSender
@@ -209,8 +209,7 @@ class PolicyWorker(WeightSender, ABC):
         """Run fn in eval mode over chunks of policy.logprob_batch_size rows, or over the row groups
         `micro_batches` (dynamic batching); the results in row order on output ranks."""
         self.model.eval()
-        n, size = batch_size_of(data), self.cfg.logprob_batch_size
-        groups = micro_batches or [list(range(s, min(s + size, n))) for s in range(0, n, size)]
+        groups = micro_batches or fixed_size_groups(batch_size_of(data), self.cfg.logprob_batch_size)
         outs = torch.cat([fn(self._to_device(take_rows(data, g))).cpu() for g in groups])
         order = torch.tensor([i for g in groups for i in g])
         return torch.empty_like(outs).index_copy_(0, order, outs) if self.output_rank else None
@@ -272,10 +271,9 @@ class PolicyWorker(WeightSender, ABC):
         groups of dynamic batching) -> finish grads -> clip -> step; written once. A non-finite gradient norm
         skips the optimizer and scheduler step ("skipped_steps": 1)."""
         self.optimizer.zero_grad(set_to_none=True)
-        n, size = batch_size_of(data), self.cfg.train_micro_batch_size
         gvs = torch.as_tensor(global_valid_seqs, dtype=torch.float32, device=self.device)
         gvt = torch.as_tensor(global_valid_toks, dtype=torch.float32, device=self.device)
-        groups = groups or [list(range(s, min(s + size, n))) for s in range(0, n, size)]
+        groups = groups or fixed_size_groups(batch_size_of(data), self.cfg.train_micro_batch_size)
         micro_batches = [take_rows(data, g) for g in groups]
         totals = self._forward_backward(micro_batches, loss_fn, gvs, gvt)
         self._finish_gradients()

@@ -93,14 +93,20 @@ BUILTIN_MODELS = {
 }
 
 
+def builtin_name(model_name: str, key: str = "policy.model_name") -> str:
+    """The name after "builtin:"; a ConfigError naming `key` and the known built-in models if there is none such."""
+    name = model_name[len(BUILTIN_MODEL_PREFIX):]
+    if name not in BUILTIN_MODELS:
+        raise ConfigError(f"config key '{key}': unknown built-in model '{name}'; known: "
+                          f"{', '.join(BUILTIN_MODEL_PREFIX + n for n in BUILTIN_MODELS)}")
+    return name
+
+
 def resolve_model_path(model_name: str, seed: int = 0) -> str:
     """A local HF directory for `model_name`: itself, or the cached build of a builtin: model."""
     if not model_name.startswith(BUILTIN_MODEL_PREFIX):
         return model_name
-    name = model_name[len(BUILTIN_MODEL_PREFIX):]
-    if name not in BUILTIN_MODELS:
-        raise ConfigError(f"unknown built-in model '{model_name}'; known: "
-                          f"{', '.join(BUILTIN_MODEL_PREFIX + n for n in BUILTIN_MODELS)}")
+    name = builtin_name(model_name)
     path = os.path.join(cache_root(), f"{name}-seed{seed}")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path

@@ -87,10 +87,9 @@ def build_gpt(spec: ModelSpec, config) -> nn.Module:
 
 def _padding_row_without_lookup_grad(padding_idx: int):
     """Forward hook on the word embedding (input ids [b, s] -> [b, s, h], or [s / tp, b, h] under sequence
-    parallelism): positions holding padding_idx pass
-    their embedding on detached, so that row gets no gradient from the lookup, as HF's
-    nn.Embedding(padding_idx=pad_token_id); measured on SmolLM2 (pad = EOS, in every chat turn): without it the
-    tied embedding's gradient was 6% off HF's."""
+    parallelism): positions holding padding_idx pass their embedding on detached, so that row gets no gradient
+    from the lookup, as HF's nn.Embedding(padding_idx=pad_token_id). Measured on SmolLM2 (pad = EOS, in every
+    chat turn): without it the tied embedding's gradient was 6% off HF's."""
 
     def hook(module, args, output):
         is_pad = args[0] == padding_idx  # [b, s]
