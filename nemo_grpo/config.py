@@ -103,6 +103,19 @@ class DynamicBatchingConfig:
 
 
 @dataclass
+class SequencePackingConfig:
+    """policy.sequence_packing (NeMo RL's keys): each rank's rows packed into bins of at most a token budget
+    (algorithm: first_fit_decreasing | concatenative); a bin is one row, its sequences isolated by a
+    block-diagonal causal mask and per-sequence position ids. Replaces train_micro_batch_size /
+    logprob_batch_size (and dynamic batching) when enabled."""
+    enabled: bool = False
+    train_mb_tokens: Optional[int] = None  # real tokens per packed training row
+    logprob_mb_tokens: Optional[int] = None  # real tokens per packed get_logprobs / score row
+    algorithm: str = "first_fit_decreasing"
+    sequence_length_round: int = 64  # a packed row is padded to a multiple of this
+
+
+@dataclass
 class TokenizerConfig:
     name: Optional[str] = None  # local HF directory; null = policy.model_name
     chat_template: Optional[str] = None  # Jinja template overriding the tokenizer's own
@@ -125,6 +138,7 @@ class PolicyConfig:
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
+    sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
 
 
 # ----------------------------------------------------------------------------------------------- loss / grpo

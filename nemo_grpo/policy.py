@@ -22,8 +22,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from nemo_grpo.backends.batching import (batch_size_of, equalize_group_counts, slice_batch, split_sizes,
-                                       token_budget_groups)
+from nemo_grpo.backends.batching import (PACKING_ALGORITHMS, batch_size_of, equalize_group_counts, slice_batch,
+                                       split_sizes, token_budget_groups)
 from nemo_grpo.layout import policy_layout
 
 log = logging.getLogger(__name__)
@@ -87,14 +87,21 @@ class Policy:
         refs = [ray.put(s) for s in shards]
         return [(refs[d], *(extra[d] for extra in extra_per_dp)) for d in self._dp_rank_of]
 
-    def _micro_batch_plan(self, shards: list[dict[str, Any]], budget: Optional[int]) -> Optional[list]:
-        """Dynamic batching (policy.dynamic_batching): per DP shard, its rows grouped under the token budget by
-        length, with the same number of groups on every shard; None when dynamic batching is off."""
-        db = self.cfg.dynamic_batching
-        if not db.enabled:
+    def _micro_batch_plan(self, shards: list[dict[str, Any]], kind: str) -> Optional[list]:
+        """Per DP shard, its rows grouped into micro-batches under a token budget (`kind`: "train" or
+        "logprob"), with the same number of groups on every shard: packed into bins (policy.sequence_packing;
+        each bin runs as one packed row) or cut by length (policy.dynamic_batching). None when both are off."""
+        packing, dynamic = self.cfg.sequence_packing, self.cfg.dynamic_batching
+        if packing.enabled:
+            budget = getattr(packing, f"{kind}_mb_tokens")
+            groups = [PACKING_ALGORITHMS[packing.algorithm](s["input_lengths"].tolist(), budget) for s in shards]
+        elif dynamic.enabled:
+            budget = getattr(dynamic, f"{kind}_mb_tokens")
+            groups = [token_budget_groups(s["input_lengths"].tolist(), budget, dynamic.sequence_length_round)
+                      for s in shards]
+        else:
             return None
-        return equalize_group_counts([token_budget_groups(s["input_lengths"].tolist(), budget,
-                                                          db.sequence_length_round) for s in shards])
+        return equalize_group_counts(groups)
 
     def _gather(self, refs: list) -> list[Any]:
         """Results of the output rank of each DP group, in DP order."""
@@ -114,7 +121,7 @@ class Policy:
         sizes = split_sizes(n, self.dp_size)
         starts = [sum(sizes[:d]) for d in range(self.dp_size)]
         shards = [_pad_rows(slice_batch(inputs, s, s + k), max(sizes), inputs) for s, k in zip(starts, sizes)]
-        plan = self._micro_batch_plan(shards, self.cfg.dynamic_batching.logprob_mb_tokens)
+        plan = self._micro_batch_plan(shards, "logprob")
         args = self._per_rank(shards) if plan is None else self._per_rank(shards, plan)
         outs = self._gather(self.group.run_each(method, args))
         return torch.cat([out[:k] for out, k in zip(outs, sizes)])
@@ -165,7 +172,7 @@ class Policy:
             gvs = sample_mask.sum()
             gvt = (gb["token_mask"].float() * sample_mask[:, None]).sum()
             shards = [slice_batch(gb, d * gbs // dp, (d + 1) * gbs // dp) for d in range(dp)]
-            plan = self._micro_batch_plan(shards, self.cfg.dynamic_batching.train_mb_tokens)
+            plan = self._micro_batch_plan(shards, "train")
             for d in range(dp):
                 step = {"data": shards[d], "global_valid_seqs": gvs, "global_valid_toks": gvt}
                 per_dp[d].append(step if plan is None else {**step, "micro_batches": plan[d]})

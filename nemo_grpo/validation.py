@@ -124,6 +124,7 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy") -> Non
     m = p.megatron_cfg
     check_inactive_degrees(p.dtensor_cfg, m, prefix)
     _validate_dynamic_batching(p, prefix)
+    _validate_sequence_packing(p, prefix)
     if p.backend == "megatron":
         key = f"{prefix}.megatron_cfg."
         _need(m.context_parallel_size == 1, key + "context_parallel_size",
@@ -144,6 +145,21 @@ def _validate_dynamic_batching(p: PolicyConfig, prefix: str) -> None:
     _need(p.backend != "megatron" or pp == 1, key + "enabled",
           f"not with pipeline parallelism yet (policy.megatron_cfg.pipeline_model_parallel_size={pp}): the "
           f"pipeline schedule needs micro-batches of equal shape; set one of them off")
+
+
+def _validate_sequence_packing(p: PolicyConfig, prefix: str) -> None:
+    from nemo_grpo.backends.batching import PACKING_ALGORITHMS
+
+    sp, key = p.sequence_packing, f"{prefix}.sequence_packing."
+    if not sp.enabled:
+        return
+    _positive(sp.train_mb_tokens, key + "train_mb_tokens")
+    _positive(sp.logprob_mb_tokens, key + "logprob_mb_tokens")
+    _positive(sp.sequence_length_round, key + "sequence_length_round")
+    _choice(sp.algorithm, key + "algorithm", sorted(PACKING_ALGORITHMS))
+    _need(not p.dynamic_batching.enabled, key + "enabled",
+          f"and {prefix}.dynamic_batching.enabled are both on; packing already groups rows by a token budget: "
+          "set one of them off")
 
 
 def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "policy") -> None:
@@ -192,7 +208,8 @@ def _validate_batches(cfg: MasterConfig, layout: ParallelLayout) -> None:
     per_rank = p.train_global_batch_size // dp
     _need(p.train_global_batch_size % dp == 0, "policy.train_global_batch_size",
           f"{p.train_global_batch_size} is not divisible by the data-parallel size {dp} ({layout})")
-    _need(per_rank % p.train_micro_batch_size == 0, "policy.train_micro_batch_size",
+    by_tokens = p.sequence_packing.enabled or p.dynamic_batching.enabled  # micro-batches cut by a token budget
+    _need(by_tokens or per_rank % p.train_micro_batch_size == 0, "policy.train_micro_batch_size",
           f"{p.train_micro_batch_size} does not divide the per-rank batch train_global_batch_size / "
           f"data-parallel size = {p.train_global_batch_size} / {dp} = {per_rank}")
 

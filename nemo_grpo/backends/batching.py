@@ -69,6 +69,43 @@ def token_budget_groups(lengths: list[int], budget: int, round_to: int) -> list[
     return groups + ([current] if current else [])
 
 
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Sequence packing: rows by length, longest first, each into the first bin with room for it, else a new
+    bin; a row longer than `capacity` tokens is a bin of its own. lengths [n] -> bins of indices covering
+    0..n-1 once (each bin becomes one packed row)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        need = max(int(lengths[i]), 1)
+        k = next((j for j, r in enumerate(room) if r >= need), None)
+        if k is None:
+            bins.append([i])
+            room.append(capacity - need)
+        else:
+            bins[k].append(i)
+            room[k] -= need
+    return bins
+
+
+def concatenative(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Sequence packing in row order: each row into the current bin while it fits, else a new bin (order kept)."""
+    bins: list[list[int]] = []
+    used = capacity
+    for i, n in enumerate(lengths):
+        need = max(int(n), 1)
+        if bins and used + need <= capacity:
+            bins[-1].append(i)
+            used += need
+        else:
+            bins.append([i])
+            used = need
+    return bins
+
+
+PACKING_ALGORITHMS = {"first_fit_decreasing": first_fit_decreasing, "concatenative": concatenative}
+
+
 def equalize_group_counts(groups_per_rank: list[list[list[int]]]) -> list[list[list[int]]]:
     """Split the largest groups of the ranks that have fewer until every rank has as many: FSDP's collectives and
     the data-parallel gradient reduction need the same number of forwards on every rank. Each rank needs at
@@ -97,14 +134,6 @@ def attention_mask_from_lengths(input_lengths: torch.Tensor, seq_len: int) -> to
     return (torch.arange(seq_len, device=input_lengths.device)[None, :] < input_lengths[:, None]).long()
 
 
-def trimmed_inputs(mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Drop the padding columns no row of a micro-batch uses: (input_ids [b, t], mask [b, t], the full T)."""
-    ids, lengths = mb["input_ids"], mb["input_lengths"]
-    full_t = ids.shape[1]
-    t = max(1, min(full_t, int(lengths.max()))) if lengths.numel() else 1
-    return ids[:, :t], attention_mask_from_lengths(lengths, t), full_t
-
-
 def token_logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                temperature: float = 1.0) -> torch.Tensor:
     """logits [B, T, V] (full vocabulary), input_ids [B, T], attention_mask [B, T] -> logprobs [B, T].
@@ -116,9 +145,3 @@ def token_logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, at
     lp = scaled.gather(-1, target).squeeze(-1) - torch.logsumexp(scaled, dim=-1)  # [B, T-1]
     lp = torch.where(attention_mask[:, 1:].bool(), lp, torch.zeros_like(lp))
     return torch.nn.functional.pad(lp, (1, 0))  # [B, T]
-
-
-def pool_last_token(out: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
-    """Scalar-head output [b, s, 1] -> [b], taken at each row's last real token (input_lengths - 1)."""
-    rows = torch.arange(out.shape[0], device=out.device)
-    return out[rows, (input_lengths.to(out.device) - 1).clamp(min=0), 0]

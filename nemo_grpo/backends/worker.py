@@ -25,7 +25,8 @@ from typing import Any, Iterator, Optional
 import torch
 
 from nemo_grpo.backends import checkpoint_state
-from nemo_grpo.backends.batching import batch_size_of, fixed_size_groups, take_rows, trimmed_inputs
+from nemo_grpo.backends.batching import batch_size_of, fixed_size_groups, take_rows
+from nemo_grpo.backends.model_inputs import ModelInputs, model_inputs
 from nemo_grpo.backends.optimizer import build_optimizer, clip_coefficient, lr_warmup_factor
 from nemo_grpo.layout import ParallelLayout, policy_layout
 from nemo_grpo.weights.sender import WeightSender
@@ -86,13 +87,13 @@ class PolicyWorker(WeightSender, ABC):
         """Load, parallelize and place the model; set model, dp_rank, dp_size, output_rank."""
 
     @abstractmethod
-    def _logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """input_ids, attention_mask [b, t] on device -> per-token log-probs [b, t] (contract above)."""
+    def _logprobs(self, inputs: ModelInputs) -> torch.Tensor:
+        """A micro-batch's model inputs (padded rows or one packed row, on device) -> per-position log-probs
+        [r, t]: position p holds log p(token p | the tokens before it), 0 where inputs.token_mask is 0."""
 
     @abstractmethod
-    def _scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                input_lengths: torch.Tensor) -> torch.Tensor:
-        """[b, t] -> the scalar head's output at the last real token (input_lengths - 1), [b]."""
+    def _scores(self, inputs: ModelInputs) -> torch.Tensor:
+        """Model inputs -> the scalar head's output at each sequence's last token, [b]."""
 
     @abstractmethod
     def _grad_norm(self) -> float:
@@ -189,25 +190,36 @@ class PolicyWorker(WeightSender, ABC):
     def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
+    def _width_multiple(self) -> int:
+        """Columns of a forward are a multiple of this: policy.sequence_packing.sequence_length_round for packed
+        rows, else 1 (a back end may need more, e.g. Megatron's sequence parallelism)."""
+        packing = self.cfg.sequence_packing
+        return packing.sequence_length_round if packing.enabled else 1
+
+    def _model_inputs(self, mb: dict[str, Any], width: Optional[int] = None) -> ModelInputs:
+        """A micro-batch on device -> what the model takes: padded rows, or one packed row with sequence
+        packing on (nemo_grpo/backends/model_inputs.py)."""
+        return model_inputs(mb, self.cfg.sequence_packing.enabled, self._width_multiple(), width)
+
     def _forward_logprobs(self, mb: dict[str, Any]) -> torch.Tensor:
         """Micro-batch on device -> logprobs [b, T] (grad follows the caller's mode)."""
-        ids, mask, full_t = trimmed_inputs(mb)
-        lp = self._logprobs(ids, mask)  # [b, t]
-        return torch.nn.functional.pad(lp, (0, full_t - lp.shape[1]))
+        inputs = self._model_inputs(mb)
+        return inputs.to_rows(self._logprobs(inputs), mb["input_ids"].shape[1])
+
+    def _forward_scores(self, mb: dict[str, Any]) -> torch.Tensor:
+        """Micro-batch on device -> scalar-head scores [b] in fp32."""
+        return self._scores(self._model_inputs(mb)).float()
 
     def _train_output(self, mb: dict[str, Any]) -> torch.Tensor:
         """Micro-batch on device -> what the loss takes: log-probs [b, T] of a causal LM, or the scalar head's
         scores [b] (reward-model training)."""
-        if self.scalar_head:
-            ids, mask, _ = trimmed_inputs(mb)
-            return self._scores(ids, mask, mb["input_lengths"]).float()
-        return self._forward_logprobs(mb)
+        return self._forward_scores(mb) if self.scalar_head else self._forward_logprobs(mb)
 
     @torch.no_grad()
     def _chunked(self, data: dict[str, Any], fn, micro_batches: Optional[list[list[int]]] = None
                  ) -> Optional[torch.Tensor]:
         """Run fn in eval mode over chunks of policy.logprob_batch_size rows, or over the row groups
-        `micro_batches` (dynamic batching); the results in row order on output ranks."""
+        `micro_batches` (dynamic batching, sequence packing); the results in row order on output ranks."""
         self.model.eval()
         groups = micro_batches or fixed_size_groups(batch_size_of(data), self.cfg.logprob_batch_size)
         outs = torch.cat([fn(self._to_device(take_rows(data, g))).cpu() for g in groups])
@@ -233,11 +245,7 @@ class PolicyWorker(WeightSender, ABC):
         if not self.scalar_head:
             raise RuntimeError("score: this policy has no scalar head (build it with scalar_head=True)")
 
-        def fn(mb):
-            ids, mask, _ = trimmed_inputs(mb)
-            return self._scores(ids, mask, mb["input_lengths"]).float()
-
-        return self._chunked(data, fn, micro_batches)
+        return self._chunked(data, self._forward_scores, micro_batches)
 
     @contextlib.contextmanager
     def _reference_weights(self) -> Iterator[None]:

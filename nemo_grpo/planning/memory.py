@@ -14,8 +14,9 @@ What each back end keeps, read off nemo_grpo/backends/:
   vLLM       gpu_memory_utilization of each device for its weights (bf16, / its tp) and KV cache. Colocated, the
              policy moves to host memory while vLLM generates and vLLM sleeps (level 1) while the policy trains:
              the two phases are checked apart.
-Activations assume every sequence at policy.max_total_sequence_length (planning/activations.py). Every GPU also
-keeps RUNTIME_RESERVE_GIB for the CUDA context, NCCL buffers and allocator fragmentation.
+Activations assume every sequence at policy.max_total_sequence_length, a packed row full at its token budget
+(planning/activations.py). Every GPU also keeps RUNTIME_RESERVE_GIB for the CUDA context, NCCL buffers and
+allocator fragmentation.
 """
 
 from __future__ import annotations
@@ -115,14 +116,35 @@ def _role_table(r: RolePlan, gpu_bytes: float) -> str:
 # ---------------------------------------------------------------------------------------------- policies
 @dataclass
 class Workload:
-    """What one data-parallel rank of a policy processes (tokens are padded to `seq_len`)."""
+    """What one data-parallel rank of a policy processes (rows of `seq_len` tokens; a packed row holds a token
+    budget)."""
     seq_len: int
-    train_micro_batch: int  # sequences per forward/backward
+    train_micro_batch: int  # rows per forward/backward
     micro_batches: int  # per optimizer step on one data-parallel rank
-    forward_batch: int  # sequences per log-prob / scoring forward
+    forward_batch: int  # rows per log-prob / scoring forward
     training: bool
     reference: bool  # a host copy of the initial weights
     offload: bool = False  # moved to host memory while a colocated vLLM generates (CUDA)
+    forward_seq_len: int = 0  # tokens of a forward row, if not seq_len (packing: logprob_mb_tokens)
+    packed: bool = False  # rows carry a block-diagonal mask [t, t]
+
+
+def policy_workload(p, dp: int, reference: bool, offload: bool) -> Workload:
+    """A policy's Workload: fixed micro-batches of sequences at policy.max_total_sequence_length; with sequence
+    packing one packed row of train_mb_tokens (logprob_mb_tokens in the forward), as many per step as the
+    rank's sequences need at full length; with dynamic batching as many full-length rows as the budget holds."""
+    s, rows_per_rank = p.max_total_sequence_length, max(1, p.train_global_batch_size // dp)
+    if p.sequence_packing.enabled:
+        sp = p.sequence_packing
+        return Workload(seq_len=sp.train_mb_tokens, train_micro_batch=1, forward_batch=1,
+                        micro_batches=-(-rows_per_rank * s // sp.train_mb_tokens), training=True,
+                        reference=reference, offload=offload, forward_seq_len=sp.logprob_mb_tokens, packed=True)
+    db = p.dynamic_batching
+    train_rows = max(1, db.train_mb_tokens // s) if db.enabled else p.train_micro_batch_size
+    forward_rows = max(1, db.logprob_mb_tokens // s) if db.enabled else p.logprob_batch_size
+    return Workload(seq_len=s, train_micro_batch=train_rows, forward_batch=forward_rows,
+                    micro_batches=max(1, rows_per_rank // train_rows), training=True, reference=reference,
+                    offload=offload)
 
 
 def _optimizer_row(p, n: int, shards: int) -> tuple[str, float]:
@@ -139,16 +161,24 @@ def _activation_row(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, lay
         kept = act.layer_input_bytes_per_token(spec, b, tp, sp) * tokens * layers * in_flight + one_layer
     else:
         kept = one_layer * layers * in_flight
-    return f"activations ({w.train_micro_batch} x {w.seq_len} tok{', recompute' if recompute else ''})", kept
+    if w.packed:  # each micro-batch in flight keeps its block-diagonal mask (bool and additive bias)
+        kept += w.seq_len * w.seq_len * (1 + b) * in_flight
+    what = "1 packed row of" if w.packed else f"{w.train_micro_batch} x"
+    return f"activations ({what} {w.seq_len} tok{', recompute' if recompute else ''})", kept
 
 
 def _forward_rows(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, vocab_on_rank: int) -> dict:
-    """One forward without gradients: a layer's intermediates and the logits of a forward batch."""
-    tokens = w.forward_batch * w.seq_len
-    rows = {f"forward working set ({w.forward_batch} x {w.seq_len} tok)":
-            act.layer_bytes_per_token(spec, impl, b, w.seq_len, tp, sp, w.forward_batch) * tokens}
+    """One forward without gradients: a layer's intermediates and the logits of a forward batch (a packed row:
+    also its block-diagonal mask, bool and as an additive bias)."""
+    s = w.forward_seq_len or w.seq_len
+    tokens = w.forward_batch * s
+    what = "1 packed row of" if w.packed else f"{w.forward_batch} x"
+    rows = {f"forward working set ({what} {s} tok)":
+            act.layer_bytes_per_token(spec, impl, b, s, tp, sp, w.forward_batch) * tokens}
     if vocab_on_rank:
         rows["forward logits"] = tokens * vocab_on_rank * (b + 4)
+    if w.packed:
+        rows["packing mask"] = float(s * s * (1 + b))
     return rows
 
 
@@ -285,10 +315,7 @@ def _policy_role(cfg, plan, spec, gpu: float) -> RolePlan:
     p, place = cfg.policy, plan.placements["policy"]
     dp = policy_layout(p, place.world_size).dp
     vllm_colocated = p.generation.backend == "vllm" and p.generation.colocated.enabled
-    w = Workload(seq_len=p.max_total_sequence_length, train_micro_batch=p.train_micro_batch_size,
-                 micro_batches=max(1, p.train_global_batch_size // (dp * p.train_micro_batch_size)),
-                 forward_batch=p.logprob_batch_size, training=True,
-                 reference=cfg.loss_fn.reference_policy_kl_penalty > 0, offload=vllm_colocated)
+    w = policy_workload(p, dp, reference=cfg.loss_fn.reference_policy_kl_penalty > 0, offload=vllm_colocated)
     devices, host = DEVICE_PLANNERS[p.backend](p, spec, w, place.world_size)
     role = RolePlan("policy", _layout(p, place.world_size, place.nodes, "policy"), _with_reserve(devices),
                     place.gpus_per_node, host_per_gpu=host)

@@ -31,6 +31,14 @@ LAYOUTS = {
     "megatron_pp2": (CLUSTER, "megatron", {"megatron_cfg.pipeline_model_parallel_size": 2}),
     "megatron_tp3": (THREE, "megatron", {"megatron_cfg.tensor_model_parallel_size": 3}),
 }
+PACKED = {"sequence_packing.enabled": True, "sequence_packing.train_mb_tokens": 128,
+          "sequence_packing.logprob_mb_tokens": 128, "sequence_packing.sequence_length_round": 16}
+LAYOUTS.update({  # sequence packing: the 4 conversations (46-57 tokens) two to a packed row
+    "dtensor_dp2_packed": (CLUSTER, "dtensor", PACKED),
+    "megatron_pp2_packed": (CLUSTER, "megatron", {"megatron_cfg.pipeline_model_parallel_size": 2, **PACKED}),
+    "megatron_tp3_sp_packed": (THREE, "megatron", {"megatron_cfg.tensor_model_parallel_size": 3,
+                                                   "megatron_cfg.sequence_parallel": True, **PACKED}),
+})
 
 
 @pytest.fixture(scope="module")

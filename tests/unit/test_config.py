@@ -33,6 +33,8 @@ def test_recipe_inherits_from_defaults_file(tmp_path):
     assert (cfg.grpo.max_num_steps, cfg.grpo.seed) == (11, 5)
 
 
+PACKING = ["policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=64",
+           "policy.sequence_packing.logprob_mb_tokens=64"]
 BAD = [
     (["grpo.num_prompt_per_step=4"], "grpo.num_prompt_per_step"),  # typo: unknown key
     (["policy.optimizer.lr=fast"], "policy.optimizer.lr"),  # wrong type
@@ -65,6 +67,15 @@ BAD = [
     (["policy.backend=megatron", "policy.megatron_cfg.layer_spec=fast"], "policy.megatron_cfg.layer_spec"),
     (["policy.backend=megatron", "policy.megatron_cfg.layer_spec=transformer_engine"],
      "policy.megatron_cfg.layer_spec"),  # Transformer Engine is not installed on the CPU stack
+    (["policy.sequence_packing.enabled=true"], "policy.sequence_packing.train_mb_tokens"),  # no budget
+    (PACKING + ["policy.sequence_packing.algorithm=best_fit"], "policy.sequence_packing.algorithm"),
+    (PACKING + ["policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=64",
+                "policy.dynamic_batching.logprob_mb_tokens=64"], "policy.sequence_packing.enabled"),  # both
+    (["policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=64"],
+     "policy.dynamic_batching.logprob_mb_tokens"),
+    (["policy.backend=megatron", "policy.megatron_cfg.pipeline_model_parallel_size=2",
+      "policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=64",
+      "policy.dynamic_batching.logprob_mb_tokens=64"], "policy.dynamic_batching.enabled"),  # PP
 ]
 
 

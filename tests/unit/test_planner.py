@@ -234,6 +234,30 @@ def test_megatron_figures_by_hand(small_model_dir):
     assert memory.problems() == []
 
 
+def test_packing_counts_a_micro_batch_by_its_token_budget(small_model_dir):
+    """Megatron TP 2 x PP 2, 8 sequences of up to 64 tokens per DP rank packed into rows of 160 tokens: 4 packed
+    rows per step (8 x 64 / 160, rounded up), each with its 160 x 160 mask; the forward row holds 256 tokens."""
+    _, _, memory = plan_recipe(None, [
+        f"policy.model_name={small_model_dir}", "policy.backend=megatron", "policy.precision=bfloat16",
+        "policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.pipeline_model_parallel_size=2",
+        "policy.megatron_cfg.sequence_parallel=true", "cluster.gpus_per_node=8", "policy.train_global_batch_size=16",
+        "policy.max_total_sequence_length=64", "policy.generation.backend=torch",
+        "policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=160",
+        "policy.sequence_packing.logprob_mb_tokens=256"])
+    spec = decoder_spec(_llama(), False, 2, 2)
+    per_token = act.layer_bytes_per_token(spec, "megatron", 2, 160, tp=2, sequence_parallel=True)
+    mask = 160 * 160 * (1 + 2)
+    stage0, stage1 = _rows(memory, 0, 0, "training"), _rows(memory, 0, 1, "training")
+    assert stage0["activations (1 packed row of 160 tok)"] == 2 * (160 * per_token + mask)  # 2 in flight
+    assert stage1["activations (1 packed row of 160 tok)"] == 160 * per_token + mask
+    assert stage1["logits"] == 160 * 500 * (2 + 4 + 4)
+    forward = _rows(memory, 0, 1, "log-prob forward")
+    assert forward["forward working set (1 packed row of 256 tok)"] == \
+        act.layer_bytes_per_token(spec, "megatron", 2, 256, tp=2, sequence_parallel=True) * 256
+    assert forward["packing mask"] == 256 * 256 * 3
+    assert "min(2 - k, 4 micro-batches)" in " ".join(memory.roles[0].notes)
+
+
 def test_dtensor_figures_by_hand(small_model_dir):
     """FSDP 4 x TP 2, fp32: sharded parameters, gradients and two Adam moments; the full model while loading."""
     _, _, memory = plan_recipe(None, [f"policy.model_name={small_model_dir}", "cluster.gpus_per_node=8",

@@ -13,8 +13,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from nemo_grpo.backends.batching import pool_last_token, token_logprobs_from_logits
+from nemo_grpo.backends.batching import token_logprobs_from_logits
 from nemo_grpo.backends.dtensor import parallelize as par
+from nemo_grpo.backends.model_inputs import ModelInputs
 from nemo_grpo.backends.worker import PolicyWorker
 from nemo_grpo.weights.transfer import TensorSpec
 
@@ -60,23 +61,28 @@ class DTensorPolicyWorker(PolicyWorker):
         self._partial_grad_params = par.local_head_params(model) if tp > 1 else []
 
     # ------------------------------------------------------------------------------------------ forward
-    def _logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[b, t] -> [b, t]: full-vocabulary logits on every rank (lm_head replicated over tp), / temperature."""
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        logits = par.full_tensor(logits)  # [b, t, V]
-        return token_logprobs_from_logits(logits, input_ids, attention_mask, self.cfg.generation.temperature)
+    def _forward(self, inputs: ModelInputs):
+        """The HF model on [r, t] ids with a 2D padding mask, or a packed row's 4D block-diagonal causal mask and
+        per-sequence position ids (SDPA does not isolate packed sequences from position ids alone)."""
+        return self.model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                          position_ids=inputs.position_ids, use_cache=False)
 
-    def _scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                input_lengths: torch.Tensor) -> torch.Tensor:
-        """[b, t] -> [b]: the score head's output at position input_lengths - 1 (captured by a forward hook,
-        since HF's own pooling looks for pad ids in input_ids instead of using the lengths)."""
+    def _logprobs(self, inputs: ModelInputs) -> torch.Tensor:
+        """-> [r, t]: full-vocabulary logits on every rank (lm_head replicated over tp), / temperature."""
+        logits = par.full_tensor(self._forward(inputs).logits)  # [r, t, V]
+        return token_logprobs_from_logits(logits, inputs.input_ids, inputs.token_mask,
+                                          self.cfg.generation.temperature)
+
+    def _scores(self, inputs: ModelInputs) -> torch.Tensor:
+        """-> [b]: the score head's output at each sequence's last token (captured by a forward hook, since HF's
+        own pooling looks for pad ids in input_ids instead of using the lengths)."""
         captured = {}
         handle = self.model.score.register_forward_hook(lambda m, i, o: captured.__setitem__("out", o))
         try:
-            pooled_by_hf = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            pooled_by_hf = self._forward(inputs).logits
         finally:
             handle.remove()
-        scores = pool_last_token(par.full_tensor(captured["out"]), input_lengths)  # [b, t, 1] -> [b]
+        scores = inputs.last_tokens(par.full_tensor(captured["out"]))[:, 0]  # [r, t, 1] -> [b]
         # FSDP re-gathers the root's parameters (the score head among them) for backward from a hook on the
         # root's output: make the (training) graph run through it, with weight 0
         return scores + 0.0 * par.full_tensor(pooled_by_hf).sum()

@@ -4,6 +4,7 @@ HF weights of a local directory, for this rank's (tp, pp) position. Needs megatr
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -103,6 +104,28 @@ def _padding_row_without_lookup_grad(padding_idx: int):
         return torch.where(mask, output.detach(), output)
 
     return hook
+
+
+class RotaryPositions:
+    """Per-sequence RoPE positions for packed rows. GPTModel's rotary table covers positions 0..s-1 of the row
+    (it ignores position_ids); a forward hook on `model.rotary_pos_emb` re-indexes the table, [s, 1, 1, d], by
+    the row's position ids while `use(position_ids [1, s])` is active, so each packed sequence starts at 0."""
+
+    def __init__(self, model: nn.Module):
+        self.positions = None
+        if getattr(model, "rotary_pos_emb", None) is not None:
+            model.rotary_pos_emb.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, table):
+        return table if self.positions is None else table[self.positions]
+
+    @contextlib.contextmanager
+    def use(self, position_ids):
+        self.positions = None if position_ids is None else position_ids[0]
+        try:
+            yield
+        finally:
+            self.positions = None
 
 
 def hf_tensor_reader(model_dir: str) -> Callable[[str], torch.Tensor]:

@@ -20,6 +20,7 @@ master copies with fp32 gradient accumulation. use_distributed_optimizer shards 
 
 from __future__ import annotations
 
+import math
 import os
 from functools import partial
 from typing import Any, Callable, Optional
@@ -27,8 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from nemo_grpo.backends.batching import attention_mask_from_lengths, pool_last_token
 from nemo_grpo.backends.mcore import shim, weights
+from nemo_grpo.backends.model_inputs import ModelInputs, natural_width
 from nemo_grpo.backends.optimizer import optimizer_class
 from nemo_grpo.backends.worker import PolicyWorker, accumulate, loss_and_metrics
 from nemo_grpo.models.spec import CAUSAL_LM, SEQ_CLS, model_spec
@@ -73,6 +74,7 @@ class MegatronPolicyWorker(PolicyWorker):
         mmodel.load_local(model, local)
         mmodel.mark_tensor_parallel(model, weights.tp_split_dims(self.spec, pp, self.pp_rank))
         self.model = model
+        self.rope_positions = mmodel.RotaryPositions(model)
         self.params = dict(model.named_parameters())
         self.main = self._main_params(local)
         self.entries = {e.hf: e for e in weights.entries(self.spec, pp)}
@@ -122,102 +124,99 @@ class MegatronPolicyWorker(PolicyWorker):
         return self.hf_config
 
     # ------------------------------------------------------------------------------------------ forward
-    def _schedule_len(self, t: int) -> int:
-        """Columns the schedule runs: t, rounded up to a multiple of tp under sequence parallelism."""
-        sp = self.mconfig.sequence_parallel
-        return -(-t // self.tp_size) * self.tp_size if sp else t
+    def _width_multiple(self) -> int:
+        """Sequence parallelism splits the columns over tp: a multiple of tp (and of the packing round)."""
+        base = super()._width_multiple()
+        return math.lcm(base, self.tp_size) if self.mconfig.sequence_parallel else base
 
-    def _run_schedule(self, micro_batches: list[dict[str, Any]], seq_len: int,
-                      on_output: Callable[[dict, torch.Tensor], Any], forward_only: bool) -> None:
-        """Megatron's schedule over micro-batches on device (same row count each; input_ids cut or right-padded
-        to seq_len columns). on_output(mb, output) runs on the last stage with the model output ([b, s, V/tp]
-        logits or [b, s, 1] scores) and returns the scalar to backpropagate when training (else None)."""
+    def _run_schedule(self, micro_batches: list[tuple[dict[str, Any], ModelInputs]],
+                      on_output: Callable[[dict, ModelInputs, torch.Tensor], Any], forward_only: bool) -> None:
+        """Megatron's schedule over (micro-batch, its model inputs) pairs on device, all inputs of one shape
+        [r, s]. on_output(mb, inputs, output) runs on the last stage with the model output ([r, s, V/tp] logits
+        or [r, s, 1] scores) and returns the scalar to backpropagate when training (else None). Packed rows pass
+        their block-diagonal mask (True = masked, Megatron's convention) and per-sequence RoPE positions."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def step(data_iterator, model):
-            mb = next(data_iterator)
-            ids = _fit_columns(mb["input_ids"], seq_len)  # [b, s]
-            pos = torch.arange(seq_len, device=ids.device)[None, :].expand_as(ids)
-            return model(ids, pos, attention_mask=None), partial(closure, mb)
+            mb, inputs = next(data_iterator)
+            ids = inputs.input_ids  # [r, s]
+            pos = inputs.position_ids if inputs.packed else torch.arange(ids.shape[1], device=ids.device)[None]
+            mask = ~inputs.attention_mask if inputs.packed else None
+            with self.rope_positions.use(inputs.position_ids if inputs.packed else None):
+                output = model(ids, pos.expand_as(ids), attention_mask=mask)
+            return output, partial(closure, mb, inputs)
 
-        def closure(mb, output):
-            loss = on_output(mb, output)
+        def closure(mb, inputs, output):
+            loss = on_output(mb, inputs, output)
             if loss is None:
                 loss = torch.zeros((), device=output.device)
             return loss, torch.ones((), dtype=torch.int), {}
 
+        r, s = micro_batches[0][1].input_ids.shape
         with shim.device_context():
             get_forward_backward_func()(
                 forward_step_func=step, data_iterator=iter(micro_batches), model=[self.model],
-                num_microbatches=len(micro_batches), seq_length=seq_len,
-                micro_batch_size=int(micro_batches[0]["input_ids"].shape[0]), forward_only=forward_only)
+                num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=r, forward_only=forward_only)
 
-    def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Local logits [b, s, V_pad/tp], input_ids [b, s] -> log-probs [b, s] before masking (column 0 is 0).
+    def _token_logprobs(self, logits: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+        """Local logits [r, s, V_pad/tp] -> log-probs [r, s], 0 where inputs.token_mask is 0 and in column 0.
 
         Vocab-parallel: `vocab_parallel_cross_entropy` reduces max / sum-exp over the TP group and overwrites
         its input, so it gets a fresh tensor (the temperature division); padded vocabulary columns are -inf."""
         from megatron.core import tensor_parallel
 
-        scaled = logits[:, :-1].float() / self.cfg.generation.temperature  # [b, s-1, V_pad/tp], a new tensor
+        scaled = logits[:, :-1].float() / self.cfg.generation.temperature  # [r, s-1, V_pad/tp], a new tensor
         if self.spec.padded_vocab > self.spec.vocab:
             width = scaled.shape[-1]
             col = torch.arange(width, device=scaled.device) + self.tp_rank * width
             scaled = scaled.masked_fill(col >= self.spec.vocab, float("-inf"))
-        lp = -tensor_parallel.vocab_parallel_cross_entropy(scaled, input_ids[:, 1:])  # [b, s-1]
-        return torch.nn.functional.pad(lp, (1, 0))  # [b, s]
+        lp = -tensor_parallel.vocab_parallel_cross_entropy(scaled, inputs.input_ids[:, 1:])  # [r, s-1]
+        lp = torch.where(inputs.token_mask[:, 1:].bool(), lp, torch.zeros_like(lp))
+        return torch.nn.functional.pad(lp, (1, 0))  # [r, s]
 
-    def _last_stage_output(self, input_ids: torch.Tensor, fn) -> Optional[torch.Tensor]:
-        """Forward-only over one micro-batch [b, t] (every stage runs it); fn(output) on the last stage, None
-        elsewhere."""
+    def _last_stage_output(self, inputs: ModelInputs, fn, empty: torch.Tensor) -> torch.Tensor:
+        """Forward-only over one micro-batch's inputs (every stage runs it); fn(output) on the last stage,
+        `empty` (zeros of the result's shape) elsewhere."""
         box = {}
-        self._run_schedule([{"input_ids": input_ids}], self._schedule_len(input_ids.shape[1]),
-                           lambda mb, out: box.__setitem__("out", fn(out)), forward_only=True)
-        return box.get("out")
+        self._run_schedule([({}, inputs)], lambda mb, inp, out: box.__setitem__("out", fn(out)), forward_only=True)
+        return box.get("out", empty)
 
-    def _logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[b, t] -> [b, t] log-probs at generation.temperature (zeros on ranks that are not output ranks)."""
-        t = input_ids.shape[1]
-        lp = self._last_stage_output(input_ids, lambda out: self._token_logprobs(out, _fit_columns(input_ids,
-                                                                                                  out.shape[1])))
-        if lp is None:
-            return torch.zeros(input_ids.shape, device=input_ids.device)
-        return torch.where(attention_mask.bool(), lp[:, :t], torch.zeros_like(lp[:, :t]))
+    def _logprobs(self, inputs: ModelInputs) -> torch.Tensor:
+        """-> [r, s] log-probs at generation.temperature (zeros on ranks that are not output ranks)."""
+        return self._last_stage_output(inputs, lambda out: self._token_logprobs(out, inputs),
+                                       torch.zeros(inputs.input_ids.shape, device=self.device))
 
-    def _scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                input_lengths: torch.Tensor) -> torch.Tensor:
-        """[b, t] -> [b]: the scalar head at position input_lengths - 1 (zeros off the last stage)."""
-        scores = self._last_stage_output(input_ids, lambda out: pool_last_token(out, input_lengths))
-        return torch.zeros(input_ids.shape[0], device=input_ids.device) if scores is None else scores
+    def _scores(self, inputs: ModelInputs) -> torch.Tensor:
+        """-> [b]: the scalar head at each sequence's last token (zeros off the last stage)."""
+        return self._last_stage_output(inputs, lambda out: inputs.last_tokens(out)[:, 0],
+                                       torch.zeros(inputs.seq_len.shape, device=self.device))
 
     def _forward_backward(self, micro_batches: list[dict[str, Any]], loss_fn, gvs: torch.Tensor,
                           gvt: torch.Tensor) -> dict[str, float]:
-        """The schedule over this rank's micro-batches (all cut to the longest row of the step); the last stage's
-        loss closure calls the shared loss function. Metrics are summed on the last stage (empty elsewhere)."""
+        """The schedule over this rank's micro-batches, all at the width of the widest (the longest row, or the
+        fullest packed row); the last stage's loss closure calls the shared loss function. Metrics are summed on
+        the last stage (empty elsewhere)."""
+        micro_batches = [self._to_device(mb) for mb in micro_batches]
         sizes = {int(mb["input_ids"].shape[0]) for mb in micro_batches}
-        if len(sizes) > 1 and self.pp_size > 1:
+        packed = self.cfg.sequence_packing.enabled
+        if len(sizes) > 1 and self.pp_size > 1 and not packed:
             raise ValueError(f"pipeline parallelism needs equal micro-batches; got sizes {sorted(sizes)} "
                              "(policy.train_micro_batch_size must divide the per-rank batch)")
-        full_t = int(micro_batches[0]["input_ids"].shape[1])
-        t = max(1, min(full_t, max(int(mb["input_lengths"].max()) for mb in micro_batches)))
+        width = max(natural_width(mb, packed, self._width_multiple()) for mb in micro_batches)
         totals: dict[str, float] = {}
 
-        def on_output(mb, out):  # logits [b, s, V_pad/tp], or scores [b, s, 1] with a scalar head
-            loss, metrics = loss_and_metrics(loss_fn, self._train_output_of(out, mb, t, full_t), mb, gvs, gvt)
+        def on_output(mb, inputs, out):  # logits [r, s, V_pad/tp], or scores [r, s, 1] with a scalar head
+            if self.scalar_head:
+                output = inputs.last_tokens(out)[:, 0].float()  # [b]
+            else:
+                output = inputs.to_rows(self._token_logprobs(out, inputs), mb["input_ids"].shape[1])  # [b, T]
+            loss, metrics = loss_and_metrics(loss_fn, output, mb, gvs, gvt)
             accumulate(totals, metrics)
             return loss
 
-        self._run_schedule([self._to_device(mb) for mb in micro_batches], self._schedule_len(t), on_output,
+        self._run_schedule([(mb, self._model_inputs(mb, width)) for mb in micro_batches], on_output,
                            forward_only=False)
         return totals
-
-    def _train_output_of(self, out: torch.Tensor, mb: dict[str, Any], t: int, full_t: int) -> torch.Tensor:
-        """The last stage's model output -> the loss input: log-probs [b, full_t] or scalar-head scores [b]."""
-        if self.scalar_head:
-            return pool_last_token(out, mb["input_lengths"]).float()
-        lp = self._token_logprobs(out, _fit_columns(mb["input_ids"], out.shape[1]))[:, :t]  # [b, t]
-        lp = lp * attention_mask_from_lengths(mb["input_lengths"], t)
-        return torch.nn.functional.pad(lp, (0, full_t - t))
 
     # ------------------------------------------------------------------------------------------ gradients
     def _grads(self, names) -> list[torch.Tensor]:
@@ -397,13 +396,6 @@ def _tp_shards(param: torch.nn.Parameter, local: torch.Tensor, group, tp: int) -
     parts = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(parts, local.detach().contiguous(), group=group)
     return parts
-
-
-def _fit_columns(ids: torch.Tensor, width: int) -> torch.Tensor:
-    """input_ids [b, t] cut or right-padded with 0 to [b, width] (causal attention: padding never reaches
-    the real positions)."""
-    t = ids.shape[1]
-    return ids[:, :width] if t >= width else torch.nn.functional.pad(ids, (0, width - t))
 
 
 def _accumulate_into(main: torch.nn.Parameter, param: torch.nn.Parameter) -> None:

@@ -1,0 +1,179 @@
+"""Padding waste and real tokens per second: padded micro-batches, dynamic batching and sequence packing, on
+SmolLM2-135M-Instruct and the lengths of its own sampled answers to math word problems.
+
+    python bench/packing.py                       # 64 answers of at most 384 tokens, DTensor DP=2
+    python bench/packing.py --samples 32 --max-new-tokens 256
+
+1. The engine (vLLM where installed, else torch) samples one answer per problem at temperature 1.0; the
+   conversations (prompt + answer) are the batch, right-padded; the length distribution is printed.
+2. Per mode, a fresh policy (DTensor, 2 ranks x 1 thread) runs one warm-up forward, then get_logprobs over the
+   batch and one train step (the batch is one global batch; nemo_grpo's clipped PG loss, advantages +-1):
+   - padded:  fixed micro-batches (train_micro_batch_size=4, logprob_batch_size=8 per rank), each padded to
+              its longest row;
+   - dynamic: policy.dynamic_batching, rows sorted by length and cut under the token budgets;
+   - packed:  policy.sequence_packing, first-fit-decreasing bins of at most the token budgets' real tokens.
+   The budgets are what the padded micro-batches may hold at worst: 4 (train) and 8 (log-probs) rows x the
+   longest conversation.
+3. Tokens computed = sum over the micro-batches of rows x width, from the same plan the policy runs (DTensor:
+   a padded micro-batch is as wide as its longest row, a packed row as its tokens rounded up to 64), divided
+   by the real tokens; real tokens per second = real tokens / seconds. Ratios against padded.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+MODES = ("padded", "dynamic", "packed")
+TRAIN_ROWS, LOGPROB_ROWS, ROUND = 4, 8, 64
+
+
+def word_problems(n: int, seed: int) -> list[str]:
+    """n two- or three-step arithmetic word problems (a math prompt set that needs no download)."""
+    rng = random.Random(seed)
+    people, things = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farid"], ["apples", "stickers", "marbles", "books"]
+    out = []
+    for _ in range(n):
+        who, what = rng.choice(people), rng.choice(things)
+        a, b, c, d = (rng.randint(2, 60) for _ in range(4))
+        out.append(rng.choice([
+            f"{who} has {a} {what}. She buys {b} more and gives {c} to a friend. How many {what} does she have now?",
+            f"A shop sells {what} in boxes of {a}. {who} buys {b} boxes and {c} loose {what}. How many {what} "
+            f"is that in total?",
+            f"{who} reads {a} pages a day for {b} days, then {c} pages a day for {d} days. How many pages in all?",
+        ]) + " Think step by step, then give the final answer as \\boxed{number}.")
+    return out
+
+
+def sample_conversations(path: str, n: int, max_new_tokens: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """(prompt + answer token ids per problem, answer lengths), one sampled answer each."""
+    from transformers import AutoTokenizer
+
+    from nemo_grpo.config import ClusterConfig, GenerationConfig
+    from nemo_grpo.data.prompts import render_prompt
+    from nemo_grpo.generation import make_generation_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = [render_prompt(tokenizer, [{"role": "user", "content": q}]) for q in word_problems(n, seed)]
+    gen = GenerationConfig(backend="vllm", max_new_tokens=max_new_tokens, temperature=1.0)
+    engine = make_generation_engine(gen, path, ClusterConfig(gpus_per_node=2, num_nodes=1,
+                                                             num_threads_per_worker=2))
+    try:
+        outs = engine.generate(prompts, seed=seed)
+    finally:
+        engine.shutdown()
+    return [list(p) + list(o.token_ids) for p, o in zip(prompts, outs)], [len(o.token_ids) for o in outs]
+
+
+def make_batch(rows: list[list[int]], prompt_lengths: list[int], pad_id: int) -> dict:
+    """Right-padded training batch; the loss covers the answers, advantages +-1 per conversation."""
+    n, t = len(rows), max(map(len, rows))
+    ids = torch.full((n, t), pad_id)
+    token_mask = torch.zeros(n, t)
+    for i, (row, start) in enumerate(zip(rows, prompt_lengths)):
+        ids[i, : len(row)] = torch.tensor(row)
+        token_mask[i, start : len(row)] = 1.0
+    sign = torch.tensor([1.0 if i % 2 else -1.0 for i in range(n)])
+    return {"input_ids": ids, "input_lengths": torch.tensor(list(map(len, rows))), "token_mask": token_mask,
+            "sample_mask": torch.ones(n), "advantages": sign[:, None] * token_mask,
+            "prev_logprobs": torch.zeros(n, t), "generation_logprobs": torch.zeros(n, t)}
+
+
+def policy_config(path: str, mode: str, n: int, longest: int):
+    from nemo_grpo.config import PolicyConfig
+
+    cfg = PolicyConfig(model_name=path, backend="dtensor", train_global_batch_size=n,
+                       train_micro_batch_size=TRAIN_ROWS, logprob_batch_size=LOGPROB_ROWS,
+                       max_total_sequence_length=longest)
+    section = {"dynamic": cfg.dynamic_batching, "packed": cfg.sequence_packing}.get(mode)
+    if section is not None:
+        section.enabled = True
+        section.train_mb_tokens, section.logprob_mb_tokens = TRAIN_ROWS * longest, LOGPROB_ROWS * longest
+        section.sequence_length_round = ROUND if mode == "packed" else 1
+    return cfg
+
+
+def computed_tokens(policy, batch: dict, kind: str) -> int:
+    """Rows x width summed over the micro-batches the policy plans for `batch` (DTensor's widths)."""
+    from nemo_grpo.backends.batching import fixed_size_groups, slice_batch, split_sizes, take_rows
+    from nemo_grpo.backends.model_inputs import natural_width
+
+    cfg, lengths = policy.cfg, batch["input_lengths"]
+    sizes = split_sizes(len(lengths), policy.dp_size)
+    shards = [slice_batch({"input_lengths": lengths, "input_ids": lengths}, sum(sizes[:d]), sum(sizes[:d + 1]))
+              for d in range(policy.dp_size)]
+    plan = policy._micro_batch_plan(shards, kind) or [
+        fixed_size_groups(len(s["input_lengths"]), TRAIN_ROWS if kind == "train" else LOGPROB_ROWS) for s in shards]
+    packed, total = cfg.sequence_packing.enabled, 0
+    for shard, groups in zip(shards, plan):
+        for g in groups:
+            mb = take_rows(shard, g)
+            total += natural_width(mb, packed, ROUND if packed else 1) * (1 if packed else len(g))
+    return total
+
+
+def run_mode(path: str, mode: str, batch: dict) -> dict:
+    from nemo_grpo.algorithms.losses import make_loss
+    from nemo_grpo.config import ClusterConfig, LossConfig
+    from nemo_grpo.policy import Policy
+
+    n, real = len(batch["input_lengths"]), int(batch["input_lengths"].sum())
+    cfg = policy_config(path, mode, n, int(batch["input_lengths"].max()))
+    cluster = ClusterConfig(gpus_per_node=2, num_nodes=1, num_threads_per_worker=1)
+    with Policy(cfg, cluster, path) as policy:
+        policy.get_logprobs({k: batch[k][:4] for k in ("input_ids", "input_lengths")})  # warm-up
+        t0 = time.perf_counter()
+        policy.get_logprobs(batch)
+        t1 = time.perf_counter()
+        policy.train(batch, make_loss(LossConfig().name, LossConfig()))
+        t2 = time.perf_counter()
+        return {"logprob_s": t1 - t0, "train_s": t2 - t1, "real": real,
+                "logprob_waste": computed_tokens(policy, batch, "logprob") / real,
+                "train_waste": computed_tokens(policy, batch, "train") / real}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=384)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from transformers import AutoTokenizer
+
+    from nemo_grpo.distributed.cluster import init_ray
+    from nemo_grpo.models.builtin import resolve_model_path
+
+    path = resolve_model_path("builtin:smollm2-135m-instruct")
+    init_ray()
+    rows, answers = sample_conversations(path, args.samples, args.max_new_tokens, args.seed)
+    prompt_lengths = [len(r) - a for r, a in zip(rows, answers)]
+    totals = [len(r) for r in rows]
+    for name, values in (("answer", answers), ("conversation", totals)):
+        print(f"{name} tokens over {len(values)} samples: min {min(values)}, median {statistics.median(values):g}, "
+              f"max {max(values)}, mean {statistics.mean(values):.1f}")
+    batch = make_batch(rows, prompt_lengths, AutoTokenizer.from_pretrained(path).pad_token_id)
+    results = {mode: run_mode(path, mode, batch) for mode in MODES}
+    base = results["padded"]
+    print(f"\nreal tokens: {base['real']}; DTensor DP=2, 1 thread per rank; ratios against padded")
+    print("| mode | log-probs: computed / real | s | real tok/s | vs padded | train: computed / real | s | "
+          "real tok/s | vs padded |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode, r in results.items():
+        lp_rate, tr_rate = r["real"] / r["logprob_s"], r["real"] / r["train_s"]
+        print(f"| {mode} | {r['logprob_waste']:.2f}x | {r['logprob_s']:.1f} | {lp_rate:.0f} | "
+              f"{base['logprob_s'] / r['logprob_s']:.2f}x | {r['train_waste']:.2f}x | {r['train_s']:.1f} | "
+              f"{tr_rate:.0f} | {base['train_s'] / r['train_s']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""One micro-batch as the model sees it, padded or packed, and the way back to per-sequence results.
+
+Padded: the b sequences are b rows, right-padded to the longest one (rounded up to `multiple`); causal attention
+keeps the padding out of the real positions.
+Packed (policy.sequence_packing): the b sequences lie back to back in one row, each with its own position ids
+(0, 1, ... from its start) and a block-diagonal causal mask, so no token sees another sequence; the row is
+padded to a multiple of `multiple` with a segment of its own (never an all-masked query row, which would make
+attention NaN).
+
+Both give per-position outputs [r, t] (r = b rows, or 1), and `to_rows` maps them back to the data contract's
+[b, T]: each sequence's positions at columns 0..len-1, column 0 and the padding 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from nemo_grpo.backends.batching import attention_mask_from_lengths
+
+
+@dataclass
+class ModelInputs:
+    """input_ids [r, t]; attention_mask: padded [r, t] long (1 on real tokens), packed [1, 1, t, t] bool (True
+    where a query may attend a key); position_ids [r, t] (None: 0..t-1 on every row); token_mask [r, t] (1 on
+    the sequences' tokens); seq_row, seq_start, seq_len [b]: where each sequence lies."""
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: Optional[torch.Tensor]
+    token_mask: torch.Tensor
+    seq_row: torch.Tensor
+    seq_start: torch.Tensor
+    seq_len: torch.Tensor
+
+    @property
+    def packed(self) -> bool:
+        return self.attention_mask.dim() == 4
+
+    @property
+    def width(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def to_rows(self, values: torch.Tensor, full_t: int) -> torch.Tensor:
+        """Per-position values [r, t] -> [b, full_t]: sequence i's positions at columns 0..len_i-1; column 0
+        (no predecessor: a log-prob there would read the previous sequence) and the rest 0. Differentiable."""
+        cols = torch.arange(full_t, device=values.device)
+        index = (self.seq_start[:, None] + cols[None, :]).clamp(max=values.shape[1] - 1)  # [b, full_t]
+        out = values[self.seq_row[:, None], index]
+        keep = (cols[None, :] < self.seq_len[:, None]) & (cols[None, :] > 0)
+        return torch.where(keep, out, torch.zeros_like(out))
+
+    def last_tokens(self, values: torch.Tensor) -> torch.Tensor:
+        """values [r, t, ...] -> [b, ...] at each sequence's last token (e.g. a scalar head's score)."""
+        return values[self.seq_row, self.seq_start + self.seq_len - 1]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def natural_width(mb: dict[str, Any], packed: bool, multiple: int = 1) -> int:
+    """Columns the micro-batch needs: its longest sequence (padded) or all its tokens (packed), rounded up."""
+    lengths = mb["input_lengths"].clamp(min=1)
+    return _round_up(int(lengths.sum() if packed else lengths.max()), multiple)
+
+
+def model_inputs(mb: dict[str, Any], packed: bool, multiple: int = 1, width: Optional[int] = None) -> ModelInputs:
+    """A micro-batch (input_ids [b, T], input_lengths [b]) -> ModelInputs of `width` columns (default: its
+    natural width); `width` may exceed T, never cut a sequence."""
+    width = width or natural_width(mb, packed, multiple)
+    return (_packed if packed else _padded)(mb["input_ids"], mb["input_lengths"].clamp(min=1), width)
+
+
+def _padded(input_ids: torch.Tensor, lengths: torch.Tensor, width: int) -> ModelInputs:
+    b, t = input_ids.shape
+    ids = input_ids[:, :width] if t >= width else torch.nn.functional.pad(input_ids, (0, width - t))
+    mask = attention_mask_from_lengths(lengths, width)
+    return ModelInputs(ids, mask, None, mask, torch.arange(b, device=ids.device),
+                       torch.zeros_like(lengths), lengths)
+
+
+def _packed(input_ids: torch.Tensor, lengths: torch.Tensor, width: int) -> ModelInputs:
+    b, t = input_ids.shape
+    device, total = input_ids.device, int(lengths.sum())
+    if total > width:
+        raise ValueError(f"packing {total} tokens into a row of {width}")
+    real = torch.arange(t, device=device)[None, :] < lengths[:, None]  # [b, t]
+    tail = width - total
+    ids = torch.cat([input_ids[real], input_ids.new_zeros(tail)])  # [width]
+    starts = torch.cumsum(lengths, 0) - lengths  # [b]
+    segment = torch.cat([torch.repeat_interleave(torch.arange(b, device=device), lengths),
+                         torch.full((tail,), b, device=device)])  # [width]; b = the padding tail
+    seg_start = torch.cat([starts, torch.tensor([total], device=device)])
+    positions = torch.arange(width, device=device) - seg_start[segment]  # restarts at 0 per sequence
+    col = torch.arange(width, device=device)
+    attend = (segment[:, None] == segment[None, :]) & (col[None, :] <= col[:, None])  # [query, key]
+    token_mask = (segment < b).long()
+    return ModelInputs(ids[None], attend[None, None], positions[None], token_mask[None],
+                       torch.zeros_like(lengths), starts, lengths)
