@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
