@@ -54,8 +54,9 @@ def word_problems(n: int, seed: int) -> list[str]:
     return out
 
 
-def sample_conversations(path: str, n: int, max_new_tokens: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    """(prompt + answer token ids per problem, answer lengths), one sampled answer each."""
+def sample_conversations(path: str, n: int, max_new_tokens: int, seed: int) -> tuple[list[list[int]], list[int],
+                                                                                     int]:
+    """(prompt + answer token ids per problem, answer lengths, answers cut at max_new_tokens), one sample each."""
     from transformers import AutoTokenizer
 
     from nemo_grpo.config import ClusterConfig, GenerationConfig
@@ -71,7 +72,8 @@ def sample_conversations(path: str, n: int, max_new_tokens: int, seed: int) -> t
         outs = engine.generate(prompts, seed=seed)
     finally:
         engine.shutdown()
-    return [list(p) + list(o.token_ids) for p, o in zip(prompts, outs)], [len(o.token_ids) for o in outs]
+    return ([list(p) + list(o.token_ids) for p, o in zip(prompts, outs)], [len(o.token_ids) for o in outs],
+            sum(o.finish_reason == "length" for o in outs))
 
 
 def make_batch(rows: list[list[int]], prompt_lengths: list[int], pad_id: int) -> dict:
@@ -155,12 +157,13 @@ def main() -> None:
 
     path = resolve_model_path("builtin:smollm2-135m-instruct")
     init_ray()
-    rows, answers = sample_conversations(path, args.samples, args.max_new_tokens, args.seed)
+    rows, answers, cut = sample_conversations(path, args.samples, args.max_new_tokens, args.seed)
     prompt_lengths = [len(r) - a for r, a in zip(rows, answers)]
     totals = [len(r) for r in rows]
     for name, values in (("answer", answers), ("conversation", totals)):
         print(f"{name} tokens over {len(values)} samples: min {min(values)}, median {statistics.median(values):g}, "
               f"max {max(values)}, mean {statistics.mean(values):.1f}")
+    print(f"answers that reached --max-new-tokens {args.max_new_tokens}: {cut}; the others stopped at EOS")
     batch = make_batch(rows, prompt_lengths, AutoTokenizer.from_pretrained(path).pad_token_id)
     results = {mode: run_mode(path, mode, batch) for mode in MODES}
     base = results["padded"]

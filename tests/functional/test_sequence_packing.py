@@ -12,10 +12,13 @@ from nemo_grpo.policy import Policy
 
 PACKING = {"sequence_packing.enabled": True, "sequence_packing.train_mb_tokens": 20,
            "sequence_packing.logprob_mb_tokens": 40, "sequence_packing.sequence_length_round": 4}
-LAYOUTS = {"dtensor_dp2": ("dtensor", {}), "dtensor_tp2": ("dtensor", {"dtensor_cfg.tensor_parallel_size": 2}),
+LAYOUTS = {"dtensor_dp2": ("dtensor", {}),
+           "dtensor_tp2_recompute": ("dtensor", {"dtensor_cfg.tensor_parallel_size": 2,
+                                                "dtensor_cfg.activation_checkpointing": True}),
            "megatron_tp2_sp": ("megatron", {"megatron_cfg.tensor_model_parallel_size": 2,
                                             "megatron_cfg.sequence_parallel": True}),
-           "megatron_pp2": ("megatron", {"megatron_cfg.pipeline_model_parallel_size": 2}),
+           "megatron_pp2_recompute": ("megatron", {"megatron_cfg.pipeline_model_parallel_size": 2,
+                                                   "megatron_cfg.activation_checkpointing": True}),
            "megatron_dp2": ("megatron", {})}
 SEED = 19  # lengths 12 3 5 5 | 7 8 6 7
 
