@@ -134,13 +134,17 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy") -> Non
               key + "layer_spec", "transformer_engine needs Transformer Engine installed (the gpu extra); use local")
 
 
+def _validate_token_budgets(section, key: str) -> None:
+    """The budgets shared by policy.dynamic_batching and policy.sequence_packing are positive."""
+    for name in ("train_mb_tokens", "logprob_mb_tokens", "sequence_length_round"):
+        _positive(getattr(section, name), key + name)
+
+
 def _validate_dynamic_batching(p: PolicyConfig, prefix: str) -> None:
     db, key = p.dynamic_batching, f"{prefix}.dynamic_batching."
     if not db.enabled:
         return
-    _positive(db.train_mb_tokens, key + "train_mb_tokens")
-    _positive(db.logprob_mb_tokens, key + "logprob_mb_tokens")
-    _positive(db.sequence_length_round, key + "sequence_length_round")
+    _validate_token_budgets(db, key)
     pp = p.megatron_cfg.pipeline_model_parallel_size
     _need(p.backend != "megatron" or pp == 1, key + "enabled",
           f"not with pipeline parallelism yet (policy.megatron_cfg.pipeline_model_parallel_size={pp}): the "
@@ -153,9 +157,7 @@ def _validate_sequence_packing(p: PolicyConfig, prefix: str) -> None:
     sp, key = p.sequence_packing, f"{prefix}.sequence_packing."
     if not sp.enabled:
         return
-    _positive(sp.train_mb_tokens, key + "train_mb_tokens")
-    _positive(sp.logprob_mb_tokens, key + "logprob_mb_tokens")
-    _positive(sp.sequence_length_round, key + "sequence_length_round")
+    _validate_token_budgets(sp, key)
     _choice(sp.algorithm, key + "algorithm", sorted(PACKING_ALGORITHMS))
     _need(not p.dynamic_batching.enabled, key + "enabled",
           f"and {prefix}.dynamic_batching.enabled are both on; packing already groups rows by a token budget: "
