@@ -1,8 +1,8 @@
 """Padding waste and real tokens per second: padded micro-batches, dynamic batching and sequence packing, on
 SmolLM2-135M-Instruct and the lengths of its own sampled answers to math word problems.
 
-    python bench/packing.py                       # 64 answers of at most 384 tokens, DTensor DP=2
-    python bench/packing.py --samples 32 --max-new-tokens 256
+    python bench/packing.py                       # 32 answers of at most 512 tokens, DTensor DP=2 (~13 min)
+    python bench/packing.py --samples 16 --max-new-tokens 256
 
 1. The engine (vLLM where installed, else torch) samples one answer per problem at temperature 1.0; the
    conversations (prompt + answer) are the batch, right-padded; the length distribution is printed.
@@ -145,8 +145,8 @@ def run_mode(path: str, mode: str, batch: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--samples", type=int, default=64)
-    ap.add_argument("--max-new-tokens", type=int, default=384)
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(1)
