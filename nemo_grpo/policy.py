@@ -9,7 +9,7 @@ Everything model-specific happens in the back end's `PolicyWorker` (nemo_grpo/ba
     batch["prev_logprobs"] = policy.get_logprobs(batch)          # [B, T]
     metrics = policy.train(batch, loss_fn)                        # one optimizer step per global batch
     engine.update_weights(policy.export_weights(bucket_size_mb))  # HF-named full tensors, bucket by bucket
-    make_refitter(policy, engine, cfg.policy.generation).refit()  # the same, or over a collective group (weights/)
+    make_refitter(policy, engine, cfg.policy.generation).refit()  # the same, through shared memory or a group (weights/)
     policy.shutdown()
 """
 
@@ -211,10 +211,30 @@ class Policy:
             pending = self.group.run_all_async("export_weight_bucket", i + 1) if i + 1 < count else None
             yield ray.get(current)[0]
 
+    # weights to a colocated engine through host shared memory (orchestrated by weights/refit.py)
+    def open_weight_region(self, name: str, bucket_size_mb: float, dtype: Optional[str]) -> dict[str, Any]:
+        """Plan transfer `name` (floating tensors in `dtype`) on every rank; rank 0 creates the shared region:
+        its {"host", "path", "plan"}."""
+        return self.group.run_all("open_weight_region", name, bucket_size_mb, dtype)[0]
+
+    def attach_weight_region(self, name: str, host: str, path: str) -> bool:
+        """Every rank on `host` maps the region (after the engine did: the file is removed then); whether all
+        ranks did (then each may write its own shards)."""
+        return self.group.run_all("attach_weight_region", name, host, path)[0]
+
+    def write_weight_bucket_async(self, name: str, index: int) -> list:
+        """ObjectRefs of every rank's write of bucket `index` into the region (rank 0's: its bytes)."""
+        return self.group.run_all_async("write_weight_bucket", name, index)
+
+    def close_weight_transfer(self, name: str) -> None:
+        """Every rank forgets transfer `name` (its shared region, its group)."""
+        self.group.run_all("close_weight_transfer", name)
+
     # weights to a separate engine over a collective group of their own (orchestrated by weights/refit.py)
-    def open_weight_transfer(self, name: str, bucket_size_mb: float, timeout_s: float) -> dict[str, Any]:
-        """Plan transfer `name` on every rank; rank 0's rendezvous {"host", "port", "plan", "device"}."""
-        return self.group.run_all("open_weight_transfer", name, bucket_size_mb, timeout_s)[0]
+    def open_weight_transfer(self, name: str, bucket_size_mb: float, dtype: Optional[str],
+                             timeout_s: float) -> dict[str, Any]:
+        """Plan transfer `name` on every rank; rank 0's rendezvous {"host", "port", "path", "plan", "device"}."""
+        return self.group.run_all("open_weight_transfer", name, bucket_size_mb, dtype, timeout_s)[0]
 
     def join_weight_transfer_async(self, name: str, world_size: int, backend: str) -> list:
         """ObjectRefs; they resolve once every receiver has joined (call the receivers' join meanwhile)."""

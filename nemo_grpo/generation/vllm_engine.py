@@ -179,6 +179,9 @@ class VllmGenerationWorker(WeightReceiver):
     def _weight_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
+    def _weight_dtype(self) -> torch.dtype:
+        return self.llm.llm_engine.model_config.dtype
+
     def begin_refit(self) -> None:
         """Open a refit: on every worker the model's layers go to the meta device, their loaders buffer until a
         layer is whole."""

@@ -1,8 +1,10 @@
-"""`WeightReceiver`: the engine workers' side of a non-colocated refit (weights/refit.py's CollectiveRefitter).
+"""`WeightReceiver`: the engine workers' side of a refit (weights/refit.py), in both modes.
 
-A mixin of both engines' worker actors. Policy rank 0 (weights/sender.py) broadcasts each bucket of the plan
-over the transfer group as one flat buffer per dtype (weights/transfer.py); each receiver receives into
-buffers of the planned layout and loads the bucket in place (`begin_refit` / `load_bucket` / `finish_refit`).
+A mixin of both engines' worker actors. Colocated: the policy ranks write each bucket of the plan into a region
+of host shared memory (weights/sender.py) that the engine worker has mapped (`attach_weight_region`); it loads
+the bucket from there in place (`load_region_bucket`). Non-colocated: policy rank 0 broadcasts each bucket over
+the transfer group as one flat buffer per dtype (weights/transfer.py); each receiver receives into buffers of
+the planned layout and loads the bucket. Either way, `begin_refit` / `load_bucket` / `finish_refit`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class WeightReceiver:
     """
 
     _receiver: Optional[dict] = None
+    _region: Optional[dict] = None
 
     def begin_refit(self) -> None:
         """Before a refit's first bucket."""
@@ -41,6 +44,38 @@ class WeightReceiver:
     def _weight_device(self) -> torch.device:
         return torch.device("cpu")
 
+    def _weight_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def weight_dtype(self) -> str:
+        """The dtype the engine holds its weights in ("bfloat16", "float32"): they are cast to it before they travel."""
+        return str(self._weight_dtype()).removeprefix("torch.")
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    # ------------------------------------------------------------------------------------------ colocated
+    def attach_weight_region(self, path: str, plan: list[list[TensorSpec]]) -> None:
+        """Map the policy's shared region of `plan` (weights/transfer.py SharedRegion) for the refits to come."""
+        self.check_weight_names([s.name for bucket in plan for s in bucket])
+        region = wt.SharedRegion(path, wt.region_layout(plan)[1])
+        self._region = {"region": region, "views": [wt.unpack(f, b) for f, b in
+                                                    zip(wt.bucket_buffers(region.tensor, plan), plan)]}
+
+    def close_weight_transfer(self) -> None:
+        """Drop the region's mapping and the transfer group (their memory goes with them)."""
+        self._region = self._receiver = None
+
+    def load_region_bucket(self, index: int, *written) -> int:
+        """Load bucket `index` from the shared region (`written`: the policy ranks' writes of it, which Ray
+        resolves before this runs); returns the number of tensors loaded."""
+        if self._region is None:
+            raise RuntimeError("load_region_bucket: no shared weight region (attach_weight_region first)")
+        return self.load_bucket(self._region["views"][index])
+
+    # ------------------------------------------------------------------------------------------ non-colocated
     def weight_transfer_device(self) -> str:
         """"cuda" | "cpu": where received weights end up (NCCL is used only when every member says cuda)."""
         return self._weight_device().type
@@ -57,18 +92,24 @@ class WeightReceiver:
         self.check_weight_names([s.name for bucket in plan for s in bucket])
         device = self._weight_device() if backend == "nccl" else torch.device("cpu")
         group = wt.join_group(host, port, rank, world_size, backend, timeout_s)
-        self._receiver = {"group": group, "plan": plan, "device": device}
+        buffers = None
+        if device.type == "cpu":  # one region for every refit: no page faults after the first
+            buffers = wt.bucket_buffers(torch.empty(wt.region_layout(plan)[1], dtype=torch.uint8), plan)
+        self._receiver = {"group": group, "plan": plan, "device": device, "buffers": buffers}
 
     def _receive_async(self, index: int) -> tuple[list, list[torch.Tensor]]:
-        bucket = self._receiver["plan"][index]
-        flats = wt.empty_buffers(bucket, self._receiver["device"])
-        return wt.broadcast_async(self._receiver["group"], flats), flats
+        """Bucket `index` into its buffers: views of the region (CPU), or fresh ones on the device (a loader
+        may keep views of a bucket until a later one completes a layer: vLLM's layerwise reload)."""
+        receiver = self._receiver
+        buffers = receiver["buffers"]
+        flats = buffers[index] if buffers is not None else wt.empty_buffers(receiver["plan"][index],
+                                                                             receiver["device"])
+        return wt.broadcast_async(receiver["group"], flats), flats
 
     def receive_weights(self) -> int:
         """One refit: receive every bucket of the plan and load it; returns the number of tensors loaded.
 
-        Buffers are fresh per bucket: a loader may keep views of a bucket until a later one completes a
-        layer (vLLM's layerwise reload). After a failed load the remaining buckets are still received (and
+        After a failed load the remaining buckets are still received (and
         dropped), so the sender is not left waiting; the error is raised at the end.
         """
         if self._receiver is None:

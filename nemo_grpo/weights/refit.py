@@ -2,16 +2,19 @@
 modes. The policy workers' side is `weights/sender.py` (WeightSender), the engine workers' `weights/receiver.py`
 (WeightReceiver), the wire `weights/transfer.py`.
 
-colocated (`policy.generation.colocated.enabled=true`): `engine.update_weights(policy.export_weights(mb))`;
-  buckets of HF-named full tensors travel through Ray's object store.
+colocated (`policy.generation.colocated.enabled=true`): one region of host shared memory holds the whole
+  plan (HF-named full tensors in the engine's dtype); the policy ranks write their shards into it in place
+  (DTensor; Megatron gathers to rank 0, which writes), the engine's workers map it once and load each bucket
+  from it in place (`begin_refit` / `load_region_bucket` / `finish_refit`) while the next one is written.
 non-colocated (`enabled=false`): the engine is a separate group of actors. Policy rank 0 and the engine's
   workers form a collective group of their own (gloo on CPU, NCCL when every member is on CUDA; see
-  nemo_grpo/weights/transfer.py), set up at the first refit: policy rank 0 plans the buckets and
-  opens the group's store, every engine worker gets the plan (names, shapes, dtypes) once and joins as rank
-  1..n. Each refit then: the policy ranks gather a bucket's full tensors collectively (as the export does),
-  rank 0 broadcasts it as one flat buffer per dtype, each engine worker receives into buffers of the planned
-  layout and loads the bucket in place through its bucket-loading path (`begin_refit` / `load_bucket` /
-  `finish_refit`). The driver only orchestrates: no tensor passes through it.
+  nemo_grpo/weights/transfer.py), set up at the first refit: policy rank 0 plans the buckets (in the
+  engine's dtype) and opens the group's store, every engine worker gets the plan (names, shapes, dtypes) once
+  and joins as rank 1..n. Each refit then: the policy ranks write a bucket into the policy node's shared
+  region (as in the colocated mode), rank 0 broadcasts it from there as one flat buffer per dtype while the
+  next one is written, each engine worker receives into buffers of the planned layout and loads the bucket
+  through its bucket-loading path (`begin_refit` / `load_bucket` / `finish_refit`).
+In both modes the driver only orchestrates: no tensor passes through it.
 
     refitter = make_refitter(policy, engine, cfg.policy.generation)
     stats = refitter.refit()  # {"seconds", "bytes", "buckets"} (+ "send_seconds": policy rank 0's part)
@@ -21,33 +24,82 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Iterator, Optional
-
-import torch
+from typing import Optional
 
 from nemo_grpo.errors import ConfigError
 
 TRANSFER_TIMEOUT_S = 600.0  # joining the transfer group, and each broadcast, fail after this long
 
 
-class ObjectStoreRefitter:
-    """Colocated mode: the policy's export buckets, through Ray's object store, into engine.update_weights."""
+class SharedMemoryRefitter:
+    """Colocated mode: the policy ranks write the weights, in the engine's dtype, into a region of host shared
+    memory that the engine's workers have mapped, bucket by bucket; each worker loads bucket i from there in
+    place while the policy writes bucket i + 1. The driver passes only the writes' ObjectRefs."""
 
     def __init__(self, policy, engine, bucket_size_mb: float):
         self.policy, self.engine, self.bucket_size_mb = policy, engine, bucket_size_mb
+        self.name = f"refit-{uuid.uuid4().hex[:12]}"
+        self.workers: Optional[list] = None  # the engine's actors, once the region is set up
+        self.plan: list = []
+
+    def setup(self) -> None:
+        """Plan in the engine's dtype, create the region, map it on the engine's workers, then on the policy."""
+        import ray
+
+        workers = self.engine.workers()
+        info = self.policy.open_weight_region(self.name, self.bucket_size_mb, engine_dtype(workers))
+        hosts = ray.get([w.node_ip.remote() for w in workers])
+        if any(h != info["host"] for h in hosts):
+            raise RuntimeError(f"colocated refit: the engine's workers run on {sorted(set(hosts))}, policy rank 0 on "
+                               f"{info['host']}; colocated generation shares the policy's node (or set "
+                               "policy.generation.colocated.enabled=false)")
+        plan = ray.put(info["plan"])
+        ray.get([w.attach_weight_region.remote(info["path"], plan) for w in workers])
+        self.policy.attach_weight_region(self.name, info["host"], info["path"])
+        self.workers, self.plan = workers, info["plan"]
 
     def refit(self) -> dict[str, float]:
-        stats = {"bytes": 0.0, "buckets": 0.0}
+        import ray
 
-        def counted(buckets: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
-            for bucket in buckets:
-                stats["bytes"] += sum(t.numel() * t.element_size() for t in bucket.values())
-                stats["buckets"] += 1
-                yield bucket
-
+        if self.workers is None:
+            self.setup()
         start = time.perf_counter()
-        self.engine.update_weights(counted(self.policy.export_weights(self.bucket_size_mb)))
-        return {**stats, "seconds": time.perf_counter() - start}
+        opened = [w.begin_refit.remote() for w in self.workers]
+        writes, loads = [], []
+        for index in range(len(self.plan)):
+            written = self.policy.write_weight_bucket_async(self.name, index)
+            writes.append(written[0])
+            loads += [w.load_region_bucket.remote(index, *written) for w in self.workers]
+        try:
+            ray.get(opened + loads)
+        finally:
+            ray.get([w.finish_refit.remote() for w in self.workers])  # always closed, so the engine can generate
+        return {"bytes": float(sum(ray.get(writes))), "buckets": float(len(self.plan)),
+                "seconds": time.perf_counter() - start}
+
+    def close(self) -> None:
+        """Unmap the region everywhere (a later refit sets it up again)."""
+        close_transfer(self)
+
+
+def close_transfer(refitter) -> None:
+    """Forget a refitter's transfer on the policy and the engine's workers, if it was set up."""
+    import ray
+
+    if refitter.workers is not None:
+        refitter.policy.close_weight_transfer(refitter.name)
+        ray.get([w.close_weight_transfer.remote() for w in refitter.workers])
+        refitter.workers = None
+
+
+def engine_dtype(workers: list) -> str:
+    """The dtype every engine worker holds its weights in (they must agree)."""
+    import ray
+
+    dtypes = set(ray.get([w.weight_dtype.remote() for w in workers]))
+    if len(dtypes) != 1:
+        raise RuntimeError(f"refit: the engine's workers hold weights in different dtypes {sorted(dtypes)}")
+    return dtypes.pop()
 
 
 class CollectiveRefitter:
@@ -67,7 +119,8 @@ class CollectiveRefitter:
         import ray
 
         workers = self.engine.workers()
-        info = self.policy.open_weight_transfer(self.name, self.bucket_size_mb, self.timeout_s)
+        info = self.policy.open_weight_transfer(self.name, self.bucket_size_mb, engine_dtype(workers),
+                                                self.timeout_s)
         devices = ray.get([w.weight_transfer_device.remote() for w in workers])
         backend = "nccl" if info["device"] == "cuda" and all(d == "cuda" for d in devices) else "gloo"
         names = [s.name for bucket in info["plan"] for s in bucket]
@@ -92,6 +145,11 @@ class CollectiveRefitter:
         return {"bytes": sent["bytes"], "buckets": sent["buckets"], "seconds": time.perf_counter() - start,
                 "send_seconds": sent["seconds"]}
 
+    def close(self) -> None:
+        """Leave the group and drop its buffers everywhere (a later refit sets it up again, with a new name)."""
+        close_transfer(self)
+        self.name = f"refit-{uuid.uuid4().hex[:12]}"
+
 
 def check_generation_resources(gen_cfg, on_gpus: bool) -> None:
     """Non-colocated generation on a GPU cluster needs devices of its own, named in the config."""
@@ -103,9 +161,9 @@ def check_generation_resources(gen_cfg, on_gpus: bool) -> None:
 
 
 def make_refitter(policy, engine, gen_cfg, *, timeout_s: float = TRANSFER_TIMEOUT_S):
-    """The refitter of policy.generation.colocated.enabled: ObjectStoreRefitter | CollectiveRefitter."""
+    """The refitter of policy.generation.colocated.enabled: SharedMemoryRefitter | CollectiveRefitter."""
     if gen_cfg.colocated.enabled:
-        return ObjectStoreRefitter(policy, engine, gen_cfg.refit_bucket_size_mb)
+        return SharedMemoryRefitter(policy, engine, gen_cfg.refit_bucket_size_mb)
     import ray
 
     check_generation_resources(gen_cfg, ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0)

@@ -2,11 +2,15 @@
 
 A back end supplies two things: `_export_specs()` (HF name, full shape, dtype of every tensor of the HF
 state_dict, the same on all ranks) and `_export_tensors(names)` (a collective: full CPU tensors, meaningful
-on rank 0). Three consumers are built on them here:
-- `plan_weight_export` / `export_weight_bucket`: buckets through Ray's object store (colocated refit);
-- `open_weight_transfer` / `join_weight_transfer` / `send_weights`: buckets broadcast from rank 0 over a
-  transfer group of its own to separate engine workers (non-colocated refit; the receiving end is
-  weights/receiver.py);
+on rank 0), and may override `_write_bucket` (each rank writes its own shards into the shared region). Four
+consumers are built on them here:
+- `plan_weight_export` / `export_weight_bucket`: buckets to the driver through Ray's object store (tests,
+  tools);
+- `open_weight_region` / `attach_weight_region` / `write_weight_bucket`: the whole plan, in the engine's dtype,
+  written into a region of host shared memory that a colocated engine loads from in place (colocated refit);
+- `open_weight_transfer` / `join_weight_transfer` / `send_weights`: the same region, each bucket broadcast from
+  rank 0 over a transfer group of its own to separate engine workers once written (non-colocated refit; the
+  receiving end is weights/receiver.py);
 - `save_pretrained`: a Hugging Face directory.
 The mixin expects the worker's `rank`, `device`, `model_path`, `tied_aliases` and `_hf_config()`, and a call to
 `_init_weight_sender()` in its constructor.
@@ -78,49 +82,111 @@ class WeightSender:
             with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
-    # ------------------------------------------------------------------------------------------ transfer group
-    def open_weight_transfer(self, name: str, bucket_size_mb: float, timeout_s: float) -> Optional[dict[str, Any]]:
-        """Collective-free, on every rank: plan transfer `name`: the HF state_dict in buckets of ~bucket_size_mb,
-        tied aliases included, as in the export (vLLM's layerwise reload expects a tied lm_head.weight too).
-        Rank 0 also opens the transfer group's store on a free port and returns {"host", "port", "plan",
-        "device"}, the plan as lists of TensorSpec (what the receivers allocate); None on other ranks."""
+    # ------------------------------------------------------------------------------------------ weight regions
+    def open_weight_region(self, name: str, bucket_size_mb: float, dtype: Optional[str]) -> Optional[dict[str, Any]]:
+        """Collective-free, on every rank: plan transfer `name`: the HF state_dict (tied aliases included, as
+        in the export: vLLM's layerwise reload expects a tied lm_head.weight too) in buckets of ~bucket_size_mb,
+        floating-point tensors in `dtype` (the engine's; None: as the policy holds them). Rank 0 creates the
+        shared region that holds the whole plan and returns {"host", "path", "plan"} (plan: lists of
+        TensorSpec); None on other ranks."""
         import ray
 
         specs = {s.name: s for s in self._export_specs()}
         plan = [[specs[n] for n in names]
                 for names in plan_buckets(self._export_sizes(), bucket_size_mb * 1024 * 1024)]
-        transfer: dict[str, Any] = {"plan": plan, "group": None, "timeout_s": timeout_s}
+        plan = wt.cast_plan(plan, getattr(torch, dtype) if dtype else None)
+        transfer: dict[str, Any] = {"plan": plan, "region": None, "views": None, "group": None}
         self._transfers[name] = transfer
         if self.rank != 0:
             return None
-        host = ray.util.get_node_ip_address()
-        transfer["store"], port = wt.open_store(host, timeout_s)
-        return {"host": host, "port": port, "plan": plan, "device": self.device.type}
+        transfer["region"] = wt.SharedRegion.create(wt.region_layout(plan)[1])
+        return {"host": ray.util.get_node_ip_address(), "path": transfer["region"].path, "plan": plan}
+
+    def attach_weight_region(self, name: str, host: str, path: str) -> bool:
+        """Collective: the ranks on rank 0's node (`host`) map the region; when all of them could (returned),
+        each rank may write its own shards in place (`_write_bucket`), else rank 0 writes the gathered tensors."""
+        import ray
+
+        transfer = self._transfers[name]
+        plan = transfer["plan"]
+        if self.rank != 0 and ray.util.get_node_ip_address() == host:
+            transfer["region"] = wt.SharedRegion(path, wt.region_layout(plan)[1])
+        region = transfer["region"]
+        if region is not None:
+            transfer["buffers"] = wt.bucket_buffers(region.tensor, plan)
+            transfer["views"] = [wt.unpack(f, b) for f, b in zip(transfer["buffers"], plan)]
+        everyone = torch.tensor([float(region is not None)])
+        torch.distributed.all_reduce(everyone, op=torch.distributed.ReduceOp.MIN)
+        transfer["in_place"] = bool(everyone.item())
+        torch.distributed.barrier()
+        if self.rank == 0:
+            region.unlink()  # every process that needs it has mapped it (the engine attached before)
+        return transfer["in_place"]
+
+    def write_weight_bucket(self, name: str, index: int) -> int:
+        """Collective: bucket `index` of transfer `name`, full tensors in the transfer's dtype, into the shared
+        region; returns its bytes (rank 0; 0 elsewhere)."""
+        transfer = self._transfers[name]
+        bucket = transfer["plan"][index]
+        views = transfer["views"][index] if transfer["views"] is not None else None
+        with torch.no_grad():
+            self._write_bucket(bucket, views, transfer["in_place"])
+        return sum(s.nbytes for s in bucket) if self.rank == 0 else 0
+
+    def _write_bucket(self, bucket: list[wt.TensorSpec], views: Optional[dict[str, torch.Tensor]],
+                      in_place: bool) -> None:
+        """Collective: the bucket's full tensors into `views` (name -> full-shape view of the region). This
+        default gathers them on rank 0 (`_export_tensors`), which copies (and casts) them in; a back end whose
+        ranks can each write their own shards overrides it for `in_place`."""
+        tensors = self._export_tensors([s.name for s in bucket])
+        if self.rank == 0:
+            for spec in bucket:
+                views[spec.name].copy_(tensors[spec.name])
+
+    def close_weight_transfer(self, name: str) -> None:
+        """Forget transfer `name`: its region's memory goes with the last mapping, its group with its members."""
+        self._transfers.pop(name, None)
+
+    # ------------------------------------------------------------------------------------------ transfer group
+    def open_weight_transfer(self, name: str, bucket_size_mb: float, dtype: Optional[str],
+                             timeout_s: float) -> Optional[dict[str, Any]]:
+        """Collective-free: open_weight_region, and rank 0 also opens the transfer group's store on a free
+        port: {"host", "path", "plan", "port", "device"} on rank 0, None elsewhere."""
+        info = self.open_weight_region(name, bucket_size_mb, dtype)
+        if info is None:
+            return None
+        transfer = self._transfers[name]
+        transfer["timeout_s"] = timeout_s
+        transfer["store"], port = wt.open_store(info["host"], timeout_s)
+        return {**info, "port": port, "device": self.device.type}
 
     def join_weight_transfer(self, name: str, world_size: int, backend: str) -> None:
-        """Rank 0 joins transfer `name` as its rank 0 (returns once every receiver has joined); no-op elsewhere."""
+        """Collective: attach the region; rank 0 joins transfer `name`'s group as its rank 0 (returns once every
+        receiver has joined)."""
+        import ray
+
         transfer = self._transfers[name]
+        where = [(ray.util.get_node_ip_address(), transfer["region"].path) if self.rank == 0 else None]
+        torch.distributed.broadcast_object_list(where, src=0)
+        self.attach_weight_region(name, *where[0])
         if self.rank == 0:
-            transfer["device"] = self.device if backend == "nccl" else torch.device("cpu")
             transfer["group"] = wt.join_group("", 0, 0, world_size, backend, transfer["timeout_s"],
                                               store=transfer["store"])
 
     def send_weights(self, name: str) -> Optional[dict[str, float]]:
-        """Collective on all ranks: every bucket of transfer `name` is gathered to full tensors (as the export
-        does) and rank 0 broadcasts it, one flat buffer per dtype. Rank 0 returns {"bytes", "buckets",
-        "seconds"}; None elsewhere."""
+        """Collective on all ranks: every bucket of transfer `name` is written into the region and rank 0
+        broadcasts it, one flat buffer per dtype, while the next bucket is written. Rank 0 returns {"bytes",
+        "buckets", "seconds"}; None elsewhere."""
         transfer = self._transfers.get(name)
         if transfer is None:
             raise RuntimeError(f"send_weights: no weight transfer '{name}' (call open_weight_transfer first)")
         start, sent = time.perf_counter(), 0
-        in_flight: list = []  # bucket i's broadcast proceeds while bucket i + 1 is gathered
-        for bucket in transfer["plan"]:
-            tensors = self._export_tensors([s.name for s in bucket])
+        in_flight: list = []
+        for index in range(len(transfer["plan"])):
+            sent += self.write_weight_bucket(name, index)
             if self.rank == 0:
-                flats = wt.pack(tensors, bucket, transfer["device"])
                 wt.wait(in_flight)
-                in_flight = wt.broadcast_async(transfer["group"], flats)
-                sent += sum(f.numel() * f.element_size() for f in flats)
+                in_flight = wt.broadcast_async(transfer["group"], transfer["buffers"][index])
         wt.wait(in_flight)
         if self.rank != 0:
             return None

@@ -15,18 +15,27 @@ tensors concatenated in plan order): one broadcast per dtype instead of one per 
     receiver: flats = empty_buffers(bucket, device); broadcast(group, flats); views = unpack(flats, bucket)
 
 Both ends keep one bucket in flight (`broadcast_async`): the sender gathers bucket i+1 while bucket i
-travels, the receiver receives bucket i+1 while it loads bucket i (at most two buckets of memory each).
+travels, the receiver receives bucket i+1 while it loads bucket i.
+
+A weight region holds a whole plan in one byte buffer, bucket after bucket, each dtype group 64-byte aligned
+(`region_layout`, `bucket_buffers`): in host shared memory (`SharedRegion`, a file under /dev/shm that every
+process of the node maps), the policy ranks write their shards into it in place and the colocated engine loads
+from it in place; nothing is serialized.
 """
 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 STORE_PREFIX = "nemo_grpo/weight_transfer"
+ALIGN = 64  # bytes: every dtype group of a region starts at a multiple
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,13 @@ class TensorSpec:
 
 def plan_nbytes(plan: list[list[TensorSpec]]) -> int:
     return sum(s.nbytes for bucket in plan for s in bucket)
+
+
+def cast_plan(plan: list[list[TensorSpec]], dtype: Optional[torch.dtype]) -> list[list[TensorSpec]]:
+    """The plan with its floating-point tensors in `dtype` (the engine's): weights are cast before they travel."""
+    if dtype is None:
+        return plan
+    return [[replace(s, dtype=dtype) if s.dtype.is_floating_point else s for s in bucket] for bucket in plan]
 
 
 def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: float) -> list[list[str]]:
@@ -151,3 +167,52 @@ def unpack(flats: list[torch.Tensor], bucket: list[TensorSpec]) -> dict[str, tor
             views[s.name] = flat[offset : offset + s.numel].view(s.shape)
             offset += s.numel
     return {s.name: views[s.name] for s in bucket}
+
+
+# ---------------------------------------------------------------------------------------------- regions
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def region_layout(plan: list[list[TensorSpec]]) -> tuple[list[list[int]], int]:
+    """(byte offset of every dtype group of every bucket, in dtype_groups order; the region's size in bytes)."""
+    offsets, at = [], 0
+    for bucket in plan:
+        starts = []
+        for _, specs in dtype_groups(bucket):
+            starts.append(at)
+            at = _aligned(at + sum(s.nbytes for s in specs))
+        offsets.append(starts)
+    return offsets, max(at, ALIGN)
+
+
+def bucket_buffers(region: torch.Tensor, plan: list[list[TensorSpec]]) -> list[list[torch.Tensor]]:
+    """Per bucket, its flat buffers (one per dtype, as pack() lays them out) as views of the uint8 `region`."""
+    offsets, _ = region_layout(plan)
+    out = []
+    for bucket, starts in zip(plan, offsets):
+        flats = []
+        for start, (dtype, specs) in zip(starts, dtype_groups(bucket)):
+            nbytes = sum(s.nbytes for s in specs)
+            flats.append(region[start : start + nbytes].view(dtype))
+        out.append(flats)
+    return out
+
+
+class SharedRegion:
+    """A byte buffer in host shared memory that every process of a node can map (torch.from_file on a file
+    under /dev/shm). The creator names the file; the others attach by path. `unlink()` once every process
+    has mapped it: the memory lives until the last mapping goes, and nothing is left behind after a crash."""
+
+    def __init__(self, path: str, nbytes: int):
+        self.path, self.nbytes = path, nbytes
+        self.tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)  # [nbytes]
+
+    @classmethod
+    def create(cls, nbytes: int, prefix: str = "nemo_grpo-weights") -> "SharedRegion":
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        return cls(os.path.join(folder, f"{prefix}-{uuid.uuid4().hex[:12]}"), nbytes)
+
+    def unlink(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)

@@ -1,4 +1,4 @@
-"""Refit in both modes (colocated: Ray's object store; non-colocated: a gloo weight-transfer group) into both
+"""Refit in both modes (colocated: host shared memory; non-colocated: a gloo weight-transfer group) into both
 engines (torch; vLLM where installed), against one FSDP2 policy (dp=2) that keeps training between tests.
 
 Each test first refits, so the engine starts from the policy's current weights; then the policy takes a real
@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from nemo_grpo.algorithms.kl import generation_mismatch_metrics
 from nemo_grpo.config import ClusterConfig, ColocatedConfig, PolicyConfig
-from nemo_grpo.weights.refit import CollectiveRefitter, ObjectStoreRefitter, make_refitter
+from nemo_grpo.weights.refit import CollectiveRefitter, SharedMemoryRefitter, make_refitter
 from nemo_grpo.generation.torch_engine import TorchGeneration
 from nemo_grpo.generation import vllm_available
 from nemo_grpo.generation.vllm_engine import VllmGeneration
@@ -129,7 +129,7 @@ def setups(policy):
 def test_engine_greedy_follows_the_policy_through_train_and_refit(policy, setups, mode, engine_name):
     pol, path = policy
     engine, refitter = setups(mode, engine_name)
-    assert isinstance(refitter, ObjectStoreRefitter if MODES[mode] else CollectiveRefitter)
+    assert isinstance(refitter, SharedMemoryRefitter if MODES[mode] else CollectiveRefitter)
     stats = refitter.refit()
     assert stats["buckets"] >= 10 and stats["bytes"] > 1e6
     before = engine_greedy(engine)

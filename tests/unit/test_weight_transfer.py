@@ -1,6 +1,7 @@
 """The weight-transfer group and its bucket layout: packing, a real gloo group (threads as members), and the
 engine-side receiver's protocol (every bucket received even after a failed load)."""
 
+import os
 import threading
 
 import pytest
@@ -36,6 +37,36 @@ def test_pack_unpack_round_trip_one_buffer_per_dtype():
     views["a.weight"][0, 0] = 42.0  # views, not copies
     assert flats[0][0] == 42.0
     assert [tuple(b.shape) for b in wt.empty_buffers(bucket, torch.device("cpu"))] == [(13,), (5,), (4,)]
+
+
+def test_region_holds_every_bucket_aligned_and_views_share_its_memory():
+    plan = [mixed_bucket(0)[0], mixed_bucket(1)[0]]
+    offsets, nbytes = wt.region_layout(plan)
+    assert all(o % wt.ALIGN == 0 for starts in offsets for o in starts)
+    assert offsets == [[0, 64, 128], [192, 256, 320]] and nbytes == 384  # 52, 10 and 32 bytes, each rounded up
+    region = torch.zeros(nbytes, dtype=torch.uint8)
+    buffers = wt.bucket_buffers(region, plan)
+    for (bucket, tensors), flats in zip([mixed_bucket(0), mixed_bucket(1)], buffers):
+        for name, view in wt.unpack(flats, bucket).items():
+            view.copy_(tensors[name])
+    for (bucket, tensors), flats in zip([mixed_bucket(0), mixed_bucket(1)], wt.bucket_buffers(region, plan)):
+        assert all(torch.equal(v, tensors[n]) for n, v in wt.unpack(flats, bucket).items())
+
+
+def test_cast_plan_casts_floating_tensors_only():
+    bucket = mixed_bucket(0)[0]
+    cast = wt.cast_plan([bucket], torch.bfloat16)[0]
+    assert [s.dtype for s in cast] == [torch.bfloat16, torch.bfloat16, torch.int64, torch.bfloat16]
+    assert [s.shape for s in cast] == [s.shape for s in bucket]
+    assert wt.cast_plan([bucket], None) == [bucket]
+
+
+def test_shared_region_is_seen_by_a_second_mapping_and_outlives_its_file():
+    region = wt.SharedRegion.create(256)
+    other = wt.SharedRegion(region.path, 256)
+    region.unlink()
+    region.tensor[:8] = 7  # after the file is gone, the mappings still share the memory
+    assert other.tensor[:8].tolist() == [7] * 8 and not os.path.exists(region.path)
 
 
 def test_pack_names_a_tensor_that_does_not_match_the_plan():

@@ -3,15 +3,18 @@
 Only what differs from `PolicyWorker` is here: building the HF model from a local directory, the (dp, tp)
 parallelization, logits -> log-probs (full-vocabulary logits on every TP rank), the scalar head's score, the
 gradient finish (Qwen3 q_norm/k_norm all-reduce), the DTensor-aware gradient norm, the weight export
-(`DTensor.full_tensor()` per HF state_dict entry) and the checkpoint format (torch.distributed.checkpoint).
+(`DTensor.full_tensor()` per HF state_dict entry; for refit every rank writes its shards into shared memory) and the checkpoint format (torch.distributed.checkpoint).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from nemo_grpo.backends.batching import token_logprobs_from_logits
 from nemo_grpo.backends.dtensor import parallelize as par
@@ -123,6 +126,36 @@ class DTensorPolicyWorker(PolicyWorker):
             if self.rank == 0:
                 out[name] = full.to("cpu", copy=True)
         return out
+
+    def _write_bucket(self, bucket: list[TensorSpec], views: Optional[dict[str, torch.Tensor]],
+                      in_place: bool) -> None:
+        """In place: every rank copies (and casts) its own shard of each tensor into its slice of the full view,
+        then all wait for each other; no gather. A shard replicated over tp is written by tp rank 0 only."""
+        if not in_place:
+            return super()._write_bucket(bucket, views, in_place)
+        state = self.model.state_dict()
+        for spec in bucket:
+            target = views[spec.name]
+            source = state[spec.name].detach()
+            if not isinstance(source, DTensor):
+                if self.rank == 0:
+                    target.copy_(source)
+                continue
+            if not self._writes_shard(source):
+                continue
+            shape, offset = compute_local_shape_and_global_offset(source.shape, source.device_mesh,
+                                                                  source.placements)
+            if all(n > 0 for n in shape):
+                target[tuple(slice(o, o + n) for o, n in zip(offset, shape))].copy_(source.to_local())
+        dist.barrier()
+
+    def _writes_shard(self, t: DTensor) -> bool:
+        """Whether this rank writes its shard of `t`: one rank per distinct shard (coordinate 0 on every mesh
+        dim that replicates it, and tp rank 0 for tensors whose mesh has no tp dim)."""
+        if self.tp_size > 1 and "tp" not in (t.device_mesh.mesh_dim_names or ()) and self.tp_rank != 0:
+            return False
+        coordinate = t.device_mesh.get_coordinate()
+        return all(c == 0 for c, p in zip(coordinate, t.placements) if p.is_replicate())
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _dcp_state(self, with_optimizer: bool) -> dict:
