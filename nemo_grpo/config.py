@@ -61,7 +61,7 @@ class ResourcesConfig:
 
 @dataclass
 class ColocatedConfig:
-    # true: generation shares the policy's devices; weights refit through Ray's object store.
+    # true: generation shares the policy's devices; weights refit through host shared memory.
     # false: generation is a separate group of actors; weights refit over a collective group of their own
     # (gloo on CPU, NCCL on GPU) from policy rank 0 (nemo_grpo/weights/refit.py)
     enabled: bool = True
@@ -199,6 +199,15 @@ class AdvEstimatorConfig:
 
 
 @dataclass
+class AsyncGRPOConfig:
+    """grpo.async_grpo (NeMo RL's keys): generation runs ahead of training on its own actors
+    (nemo_grpo/algorithms/async_rollouts.py)."""
+    enabled: bool = False
+    max_trajectory_age_steps: int = 1  # rollouts train at most this many optimizer steps after their weights
+    in_flight_weight_updates: bool = False  # new weights reach the engine mid-batch, not between batches
+
+
+@dataclass
 class GRPOConfig:
     num_prompts_per_step: int = 16
     num_generations_per_prompt: int = 8
@@ -222,6 +231,7 @@ class GRPOConfig:
     adv_estimator: AdvEstimatorConfig = field(default_factory=AdvEstimatorConfig)
     advantage_clip_low: Optional[float] = None  # advantages clamped to [low, high] after the estimator
     advantage_clip_high: Optional[float] = None
+    async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig)
 
 
 # ----------------------------------------------------------------------------------------------- env / data

@@ -241,10 +241,28 @@ def _validate_grpo(cfg: MasterConfig) -> None:
     _need(r.source_max > r.source_min, "grpo.reward_scaling.source_max", "must be > source_min")
     _validate_advantages(cfg)
     _validate_reward_shaping(cfg)
+    _validate_async(cfg)
     ck = cfg.checkpointing
     _positive(ck.save_period, "checkpointing.save_period")
     _positive(ck.keep_top_k, "checkpointing.keep_top_k", nullable=True)
     _need(cfg.logger.num_val_samples_to_print >= 0, "logger.num_val_samples_to_print", "must be >= 0")
+
+
+def _validate_async(cfg: MasterConfig) -> None:
+    a = cfg.grpo.async_grpo
+    if not a.enabled:
+        return
+    _need(a.max_trajectory_age_steps >= 0, "grpo.async_grpo.max_trajectory_age_steps",
+          f"must be >= 0, got {a.max_trajectory_age_steps}")
+    _need(not cfg.policy.generation.colocated.enabled, "policy.generation.colocated.enabled",
+          "must be false with grpo.async_grpo.enabled: generation runs on actors (and devices) of its own while "
+          "the policy trains")
+    _need(cfg.loss_fn.use_importance_sampling_correction, "loss_fn.use_importance_sampling_correction",
+          "must be true with grpo.async_grpo.enabled: rollouts come from weights up to "
+          f"grpo.async_grpo.max_trajectory_age_steps={a.max_trajectory_age_steps} steps old, and the loss must "
+          "weight them by pi_old / pi_gen")
+    _need(not a.in_flight_weight_updates, "grpo.async_grpo.in_flight_weight_updates",
+          "is not built yet: new weights reach the engine between generation batches; set it to false")
 
 
 def _validate_advantages(cfg: MasterConfig) -> None:

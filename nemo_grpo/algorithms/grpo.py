@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from nemo_grpo.algorithms.advantages import dynamic_sampling_keep, estimate_advantages, scale_rewards, shape_rewards
+from nemo_grpo.algorithms.async_rollouts import GenerationFailed, RolloutCollector, Rollouts
 from nemo_grpo.algorithms.kl import generation_mismatch_metrics, sequence_kl
 from nemo_grpo.algorithms.losses import make_loss
 from nemo_grpo.algorithms.rollout import Sample, collate, run_rollouts
@@ -87,6 +88,7 @@ class GRPOTrainer:
         self.refitter = make_refitter(policy, engine, cfg.policy.generation)
         self.state = GRPOState()
         self.timer = Timer()
+        self.collector: Optional[RolloutCollector] = None  # async GRPO's, while run() runs
         self.history: list[dict[str, float]] = []  # per-step metrics of this process's steps
         self.val_history: list[tuple[int, float]] = []  # (step, val accuracy) of this process's validations
         self.resumed_at: Optional[int] = None  # the step a resumed run started from
@@ -94,13 +96,13 @@ class GRPOTrainer:
         self.plot_path: Optional[str] = None  # the reward plot, once close() drew it
 
     # ------------------------------------------------------------------------------------------ rollouts
-    def _rollout(self, datums, seed: int, greedy: bool = False) -> list[Sample]:
-        """Callers run it inside `_generation_phase` (once around all the rollouts of a step or a validation)."""
+    def _rollout(self, datums, seed: int, greedy: bool = False, timer: Optional[Timer] = None) -> list[Sample]:
+        """Callers run it inside `_generation_phase` (once around all the rollouts of a step or a validation);
+        `timer` gets the generation and environment sections."""
         c = self.cfg
         return run_rollouts(datums, self.engine, self.tokenizer, self.task_to_env,
                             max_new_tokens=c.policy.generation.max_new_tokens, max_turns=c.grpo.max_rollout_turns,
-                            max_seq_len=c.policy.max_total_sequence_length, seed=seed, greedy=greedy,
-                            timer=None if greedy else self.timer)
+                            max_seq_len=c.policy.max_total_sequence_length, seed=seed, greedy=greedy, timer=timer)
 
     @contextlib.contextmanager
     def _generation_phase(self):
@@ -131,13 +133,15 @@ class GRPOTrainer:
                                        g.reward_scaling) for k in names}
         return rewards, components
 
-    def _collect(self, step: int) -> tuple[list[Sample], torch.Tensor, dict[str, torch.Tensor], dict]:
+    def collect(self, step: int, timer: Optional[Timer] = None) -> Rollouts:
         """Samples, rewards [N] and reward components for one step; with dynamic sampling, only groups whose
-        rewards differ, drawn over up to dynamic_sampling_max_gen_batches generation batches."""
+        rewards differ, drawn over up to dynamic_sampling_max_gen_batches generation batches. Touches no
+        trainer state but the prompt loader (the async collector runs it in its own thread)."""
         g = self.cfg.grpo
+        timer = timer or Timer()
         G, wanted = g.num_generations_per_prompt, g.num_prompts_per_step
         kept: list[Sample] = []
-        raw_rewards, batches = [], 0
+        raw_rewards, batches, drawn = [], 0, 0
         while len(kept) < wanted * G:
             if batches == (g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
                 raise RuntimeError(
@@ -146,8 +150,9 @@ class GRPOTrainer:
                     f"grpo.batch_multiplier")
             n_prompts = int(wanted * g.batch_multiplier) if g.use_dynamic_sampling else wanted
             prompts = self.loader.next_batch(n_prompts)
-            self.state.consumed_prompts += len(prompts)
-            samples = self._rollout([d for d in prompts for _ in range(G)], seed=self._seed(step, batches))
+            drawn += len(prompts)
+            samples = self._rollout([d for d in prompts for _ in range(G)], seed=self._seed(step, batches),
+                                    timer=timer)
             raw_rewards += [s.reward for s in samples]
             if g.use_dynamic_sampling:
                 keep = dynamic_sampling_keep(self._rewards(samples)[0], G).tolist()
@@ -157,7 +162,8 @@ class GRPOTrainer:
         rewards, components = self._rewards(kept)
         stats = {"reward": sum(raw_rewards) / len(raw_rewards), "gen_batches": float(batches),
                  "fraction_groups_kept": len(kept) / len(raw_rewards)}
-        return kept, rewards, components, stats
+        return Rollouts(kept, rewards, components, stats, loader_state=self.loader.state_dict(), prompts_drawn=drawn,
+                        timings=timer.get_timing_metrics())
 
     def _seed(self, step: int, batch: int) -> int:
         return (self.cfg.grpo.seed * 1_000_003 + step * 101 + batch) % (2**31)
@@ -189,27 +195,66 @@ class GRPOTrainer:
         cfg, step = self.cfg, self.state.step + 1
         self.timer.reset()
         with self.timer.time("total"):
-            with self._generation_phase():  # every generation batch of the step: one hand-over
-                samples, rewards, components, stats = self._collect(step)
-            batch = self._train_batch(samples)
+            rollouts, async_metrics = self._next_rollouts(step)
+            batch = self._train_batch(rollouts.samples)
             data = {k: v for k, v in batch.items() if k in TRAIN_KEYS}
             with self.timer.time("logprobs"):
                 data["prev_logprobs"] = self.policy.get_logprobs(data)
                 if cfg.loss_fn.reference_policy_kl_penalty > 0:
                     data["reference_policy_logprobs"] = self.policy.get_reference_logprobs(data)
-            data["advantages"], adv_metrics = self._advantages(data, rewards, components)
+            data["advantages"], adv_metrics = self._advantages(data, rollouts.rewards, rollouts.components)
             mask = data["token_mask"] * data["sample_mask"][:, None]
             mismatch = generation_mismatch_metrics(data["prev_logprobs"], data["generation_logprobs"], mask)
             with self.timer.time("training"):
                 train_metrics = self.policy.train(data, self.loss_fn)
             with self.timer.time("refit"):
-                self.refit()
-        metrics = {**train_metrics, **mismatch, **stats, **adv_metrics, **self._env_metrics(batch),
+                refit = self._refit_engine(step)
+        metrics = {**train_metrics, "refit_gib_per_s": refit["bytes"] / max(refit["seconds"], 1e-9) / 2**30,
+                   **mismatch, **rollouts.stats, **adv_metrics, **self._env_metrics(batch), **async_metrics,
                    "mean_response_length": batch["response_lengths"].float().mean().item(),
                    "fraction_truncated": batch["truncated"].float().mean().item()}
         self.state.step = step
-        self.state.loader = self.loader.state_dict()
+        self.state.loader = rollouts.loader_state
+        self.state.consumed_prompts += rollouts.prompts_drawn
         return metrics
+
+    def _next_rollouts(self, step: int) -> tuple[Rollouts, dict[str, float]]:
+        """Step `step`'s rollouts: generated now (synchronous GRPO), or taken from the async collector, dropping
+        any older than grpo.async_grpo.max_trajectory_age_steps; the async/ metrics with them."""
+        if self.collector is None:
+            with self._generation_phase():  # every generation batch of the step: one hand-over
+                return self.collect(step, self.timer), {}
+        dropped = 0
+        while True:
+            with self.timer.time("generation_wait"):
+                rollouts = self.collector.next()
+            age = step - 1 - rollouts.weight_version
+            if age <= self.cfg.grpo.async_grpo.max_trajectory_age_steps:
+                break
+            dropped += 1
+            log.warning("dropped the rollouts of weight version %d at step %d: %d steps old", rollouts.weight_version,
+                        step, age)
+        for name, seconds in rollouts.timings.items():  # generated while the policy trained
+            self.timer.record(name, seconds)
+        return rollouts, {"async/trajectory_age_mean": float(age), "async/trajectory_age_max": float(age),
+                          "async/dropped_stale": float(dropped)}
+
+    def _refit_engine(self, step: int) -> dict[str, float]:
+        """Refit after step `step`; under async GRPO between two generation batches, then the collector may
+        run on. A dead engine is a GenerationFailed that says the run stops."""
+        from ray.exceptions import RayActorError
+
+        lock = self.collector.engine_lock if self.collector else contextlib.nullcontext()
+        with lock:
+            if self.collector is not None:
+                self.collector.raise_if_failed()  # no refit into an engine that died generating
+            try:
+                stats = self.refit()
+            except RayActorError as e:
+                raise GenerationFailed(f"the refit after step {step} found the generation engine dead", e) from e
+        if self.collector is not None:
+            self.collector.weights_updated(step)
+        return stats
 
     def _env_metrics(self, batch: dict) -> dict[str, float]:
         """Each task's environment reports metrics on the rows of its own task only (env_metric_views)."""
@@ -221,7 +266,7 @@ class GRPOTrainer:
         return {k: v for _, m in results for k, v in m.items()}
 
     def refit(self) -> dict[str, float]:
-        """Policy weights -> generation engine, in place, bucket by bucket (through Ray's object store when
+        """Policy weights -> generation engine, in place, bucket by bucket (through host shared memory when
         colocated, else over a collective group): {"seconds", "bytes", "buckets"}. A sleeping engine gets
         its weights' memory back first."""
         self.engine.prepare_for_refit()
@@ -266,6 +311,11 @@ class GRPOTrainer:
         tmp = self.checkpointer.init_tmp_checkpoint(self.state.step, info, to_yaml(self.cfg))
         self.policy.save_checkpoint(os.path.join(tmp, "policy"))
         self.last_checkpoint = self.checkpointer.finalize_checkpoint(tmp)
+        if self.collector is not None:
+            log.info("checkpoint at step %d: rollouts in flight (%d step(s) done, and any under way) are not saved; "
+                     "a run resumed from it draws their prompts again and generates them with its weights",
+                     self.state.step,
+                     self.collector.in_flight)
         return self.last_checkpoint
 
     def maybe_resume(self) -> Optional[str]:
@@ -286,32 +336,52 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------ the loop
     def _epochs_done(self) -> bool:
-        """The prompt loader has passed over the training prompts grpo.max_num_epochs times."""
-        return self.loader.epochs_done >= self.cfg.grpo.max_num_epochs
+        """The trained steps have passed over the training prompts grpo.max_num_epochs times (the loader itself
+        may be ahead, by the rollouts in flight of async GRPO)."""
+        return self.loader.epochs_done_at(self.state.loader) >= self.cfg.grpo.max_num_epochs
 
     def run(self) -> list[dict[str, float]]:
-        cfg, g = self.cfg, self.cfg.grpo
+        g = self.cfg.grpo
         self.maybe_resume()
         if g.val_at_start and self.state.step == 0 and self.val_datums:
             self.validate()
         self.logger.start_progress(g.max_num_steps, self.state.step)
-        while self.state.step < g.max_num_steps and not self._epochs_done():
-            metrics = self.train_step()
-            step = self.state.step
-            timings = {k: v for k, v in self.timer.get_timing_metrics().items()}
-            self.logger.log_metrics(metrics, step, prefix="train")
-            self.logger.log_metrics(timings, step, prefix="timing")
-            self.history.append({**metrics, **{f"timing/{k}": v for k, v in timings.items()}})
-            last = step == g.max_num_steps or self._epochs_done()
-            if self.val_datums and ((g.val_period and step % g.val_period == 0) or (last and g.val_at_end)):
-                self.validate()
-            self.logger.update_progress(step, metrics["reward"], timings)
-            if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last):
-                self.save()
+        if g.async_grpo.enabled:
+            self.collector = RolloutCollector(self.collect, self.state.step + 1, g.async_grpo.max_trajectory_age_steps,
+                                              version=self.state.step, last_step=g.max_num_steps)
+            self.collector.start()
+        try:
+            while self.state.step < g.max_num_steps and not self._epochs_done():
+                self._run_step()
+        finally:
+            if self.collector is not None:
+                self.collector.stop()
+                self.collector = None
         if self.state.step < g.max_num_steps:
             log.info("stopped at step %d of %d: the training prompts were seen %d times (grpo.max_num_epochs)",
-                     self.state.step, g.max_num_steps, self.loader.epochs_done)
+                     self.state.step, g.max_num_steps, self.loader.epochs_done_at(self.state.loader))
         return self.history
+
+    def _run_step(self) -> None:
+        """One step with its logging, validation and checkpoint."""
+        cfg, g = self.cfg, self.cfg.grpo
+        metrics = self.train_step()
+        step = self.state.step
+        timings = {k: v for k, v in self.timer.get_timing_metrics().items()}
+        async_metrics = {k.split("/", 1)[1]: metrics.pop(k) for k in list(metrics) if k.startswith("async/")}
+        self.logger.log_metrics(metrics, step, prefix="train")
+        self.logger.log_metrics(timings, step, prefix="timing")
+        if async_metrics:
+            self.logger.log_metrics(async_metrics, step, prefix="async")
+        self.history.append({**metrics, **{f"timing/{k}": v for k, v in timings.items()},
+                             **{f"async/{k}": v for k, v in async_metrics.items()}})
+        last = step == g.max_num_steps or self._epochs_done()
+        if self.val_datums and ((g.val_period and step % g.val_period == 0) or (last and g.val_at_end)):
+            with self.collector.engine_lock if self.collector else contextlib.nullcontext():
+                self.validate()
+        self.logger.update_progress(step, metrics["reward"], timings)
+        if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last):
+            self.save()
 
     def summary(self) -> str:
         """One line for the end of a run: steps, mean train reward at the first and last step run by this

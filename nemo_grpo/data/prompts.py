@@ -135,7 +135,11 @@ class PromptLoader:
     @property
     def epochs_done(self) -> int:
         """Complete passes over the prompts so far (a pass ends with the last prompt of its order)."""
-        return self.epoch + int(self.position >= len(self._order))
+        return self.epochs_done_at(self.state_dict())
+
+    def epochs_done_at(self, state: dict[str, int]) -> int:
+        """Complete passes over the prompts at `state` (a state_dict; every pass has the same length)."""
+        return int(state["epoch"]) + int(int(state["position"]) >= len(self.datums))
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

@@ -48,6 +48,10 @@ class Timer:
             self._durations.setdefault(name, []).append(self._clock() - start)
             self._open.remove(name)
 
+    def record(self, name: str, seconds: float) -> None:
+        """Add a measurement taken elsewhere (another thread's timer) under `name`."""
+        self._durations.setdefault(name, []).append(seconds)
+
     def get_timing_metrics(self, reduction: str = "sum") -> dict[str, float]:
         """name -> the reduction (sum | mean | max | min | count) of that name's measurements, in seconds."""
         if reduction not in REDUCTIONS:

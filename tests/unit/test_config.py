@@ -35,6 +35,7 @@ def test_recipe_inherits_from_defaults_file(tmp_path):
 
 PACKING = ["policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=64",
            "policy.sequence_packing.logprob_mb_tokens=64"]
+ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
 BAD = [
     (["grpo.num_prompt_per_step=4"], "grpo.num_prompt_per_step"),  # typo: unknown key
     (["policy.optimizer.lr=fast"], "policy.optimizer.lr"),  # wrong type
@@ -76,6 +77,12 @@ BAD = [
     (["policy.backend=megatron", "policy.megatron_cfg.pipeline_model_parallel_size=2",
       "policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=64",
       "policy.dynamic_batching.logprob_mb_tokens=64"], "policy.dynamic_batching.enabled"),  # PP
+    (ASYNC, "policy.generation.colocated.enabled"),  # async generation needs actors of its own
+    (ASYNC[:1] + ["policy.generation.colocated.enabled=false"], "loss_fn.use_importance_sampling_correction"),
+    (ASYNC + ["policy.generation.colocated.enabled=false", "grpo.async_grpo.max_trajectory_age_steps=-1"],
+     "grpo.async_grpo.max_trajectory_age_steps"),
+    (ASYNC + ["policy.generation.colocated.enabled=false", "grpo.async_grpo.in_flight_weight_updates=true"],
+     "grpo.async_grpo.in_flight_weight_updates"),
 ]
 
 

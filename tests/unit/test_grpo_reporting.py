@@ -55,7 +55,7 @@ def bare_trainer(**cfg_changes) -> GRPOTrainer:
     trainer = GRPOTrainer.__new__(GRPOTrainer)
     trainer.cfg, trainer.state, trainer.timer = cfg, GRPOState(), Timer()
     trainer.history, trainer.val_history = [], []
-    trainer.resumed_at = trainer.last_checkpoint = trainer.plot_path = None
+    trainer.resumed_at = trainer.last_checkpoint = trainer.plot_path = trainer.collector = None
     return trainer
 
 
@@ -172,6 +172,7 @@ def test_run_stops_after_max_num_epochs(max_num_epochs, steps):
     def train_step():
         trainer.loader.next_batch()
         trainer.state.step += 1
+        trainer.state.loader = trainer.loader.state_dict()
         return {"reward": 0.5}
 
     trainer.train_step = train_step

@@ -48,6 +48,9 @@ class Loader:
         self.drawn += n
         return [f"p{self.drawn - n + i}" for i in range(n)]
 
+    def state_dict(self):
+        return {"epoch": 0, "position": self.drawn}
+
 
 def test_dynamic_sampling_keeps_groups_with_differing_rewards_across_batches():
     """2 prompts per step, G = 2, int(2 x 1.5) = 3 prompts per generation batch. Batch 1: p0 differs, p1 and
@@ -58,21 +61,22 @@ def test_dynamic_sampling_keeps_groups_with_differing_rewards_across_batches():
     rewards = {"p0": [1.0, 0.0], "p1": [1.0, 1.0], "p2": [0.0, 0.0], "p3": [0.0, 1.0], "p4": [1.0, 0.0],
                "p5": [0.0, 0.0]}
 
-    def rollout(datums, seed):
+    def rollout(datums, seed, timer=None):
         return [sample("math", d, "x", rewards[d][i % 2]) for i, d in enumerate(datums)]
 
     trainer._rollout = rollout
-    samples, kept, components, stats = trainer._collect(step=1)
-    assert [s.datum.message_log[0]["content"] for s in samples] == ["p0", "p0", "p3", "p3"]
-    assert kept.tolist() == [1.0, 0.0, 0.0, 1.0] and components == {}
-    assert trainer.loader.drawn == 6 and trainer.state.consumed_prompts == 6
-    assert stats == {"reward": pytest.approx(5 / 12), "gen_batches": 2.0, "fraction_groups_kept": pytest.approx(2 / 6)}
+    got = trainer.collect(step=1)
+    assert [s.datum.message_log[0]["content"] for s in got.samples] == ["p0", "p0", "p3", "p3"]
+    assert got.rewards.tolist() == [1.0, 0.0, 0.0, 1.0] and got.components == {}
+    assert trainer.loader.drawn == got.prompts_drawn == 6 and got.loader_state == {"epoch": 0, "position": 6}
+    assert got.stats == {"reward": pytest.approx(5 / 12), "gen_batches": 2.0,
+                         "fraction_groups_kept": pytest.approx(2 / 6)}
 
 
 def test_dynamic_sampling_gives_up_with_the_keys_to_raise():
     trainer = bare_trainer(grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
                                  "use_dynamic_sampling": True, "dynamic_sampling_max_gen_batches": 2})
     trainer.loader = Loader()
-    trainer._rollout = lambda datums, seed: [sample("math", d, "x", 1.0) for d in datums]
+    trainer._rollout = lambda datums, seed, timer=None: [sample("math", d, "x", 1.0) for d in datums]
     with pytest.raises(RuntimeError, match="0 of 2 prompts.*after 2 generation batches.*batch_multiplier"):
-        trainer._collect(step=1)
+        trainer.collect(step=1)

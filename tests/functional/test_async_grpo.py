@@ -1,0 +1,100 @@
+"""Async GRPO end to end on the CPU (non-colocated generation, importance-sampling correction): with
+max_trajectory_age_steps 0 it is synchronous GRPO step for step; with 1 every trajectory is at most one step old,
+a checkpoint taken with rollouts in flight resumes; a killed generation actor stops the run with a message; the
+default recipe learns async."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from train_runs import ROOT, builtin_model_cache, read_metrics, run_train, summary  # noqa: F401
+
+COMMON = ["policy.generation.colocated.enabled=false", "loss_fn.use_importance_sampling_correction=true",
+          "grpo.val_at_start=false", "grpo.val_period=0", "grpo.val_at_end=false", "grpo.num_prompts_per_step=8",
+          "policy.train_global_batch_size=64", "policy.generation.backend=torch"]
+ASYNC = ["grpo.async_grpo.enabled=true"]
+
+
+@pytest.mark.slow
+def test_zero_age_is_synchronous_grpo(tmp_path):
+    sync, zero = tmp_path / "sync", tmp_path / "zero"
+    run_train(sync, "grpo.max_num_steps=3", "checkpointing.enabled=false", *COMMON)
+    run_train(zero, "grpo.max_num_steps=3", "checkpointing.enabled=false", *COMMON, *ASYNC,
+              "grpo.async_grpo.max_trajectory_age_steps=0")
+    a, b = read_metrics(f"{sync}/logs", "train"), read_metrics(f"{zero}/logs", "train")
+    assert [r["step"] for r in b] == [1, 2, 3]
+    for key in ("reward", "loss", "grad_norm", "token_mult_prob_error", "mean_response_length"):
+        for ra, rb in zip(a, b):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-6), (key, ra["step"])
+    ages = read_metrics(f"{zero}/logs", "async")
+    assert [r["trajectory_age_max"] for r in ages] == [0, 0, 0] and all(r["dropped_stale"] == 0 for r in ages)
+
+
+@pytest.mark.slow
+def test_ages_stay_within_the_bound_and_a_checkpoint_with_rollouts_in_flight_resumes(tmp_path):
+    args = ["grpo.max_num_steps=4", "checkpointing.save_period=2", *COMMON, *ASYNC,
+            "grpo.async_grpo.max_trajectory_age_steps=1"]
+    run_train(tmp_path, *args)
+    ages = read_metrics(f"{tmp_path}/logs", "async")
+    assert [r["step"] for r in ages] == [1, 2, 3, 4]
+    assert all(r["trajectory_age_max"] <= 1 and r["dropped_stale"] == 0 for r in ages)
+    assert max(r["trajectory_age_max"] for r in ages) == 1  # generation did run ahead of training
+    assert all("generation_wait" in r for r in read_metrics(f"{tmp_path}/logs", "timing"))
+    log_text = open(f"{tmp_path}/logs/run.log").read()
+    assert "checkpoint at step 2: rollouts in flight" in log_text
+    # as if the run had died after step 3: resume from the step-2 checkpoint, whose rollouts in flight were lost
+    subprocess.run(["rm", "-rf", f"{tmp_path}/ckpt/step_4"], check=True)
+    done = summary(run_train(tmp_path, *args))
+    assert (done["steps"], done["resumed_at"]) == ("4", "2")
+    resumed = read_metrics(f"{tmp_path}/logs", "async")[4:]
+    assert [r["step"] for r in resumed] == [3, 4] and resumed[0]["trajectory_age_max"] == 0  # regenerated
+
+
+def engine_processes(root_pid: int) -> list[psutil.Process]:
+    """The generation actor's process among root_pid's descendants (its own Ray cluster's workers)."""
+    procs = psutil.Process(root_pid).children(recursive=True)
+    return [p for p in procs if "GenerationWorker" in " ".join(p.cmdline() or [])]
+
+
+@pytest.mark.slow
+def test_a_killed_generation_actor_stops_the_run_with_a_message(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "nemo_grpo.train", "logger.progress_bar=false", "grpo.max_num_steps=400",
+           "checkpointing.enabled=false", f"logger.log_dir={tmp_path}/logs", *COMMON, *ASYNC]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = f"{tmp_path}/logs/metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (os.path.exists(metrics) and any(json.loads(x)["prefix"] == "train" for x in open(metrics))):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(1)
+        victims = engine_processes(proc.pid)
+        assert victims, "no generation actor process found"
+        for p in victims:
+            p.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)  # never a hang
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "GenerationFailed" in err and "the run stops" in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_default_recipe_learns_async(tmp_path):
+    """The default recipe's criterion (last 10 steps' mean reward >= first 10 + 0.3), one step off-policy."""
+    run_train(tmp_path, "policy.generation.colocated.enabled=false", "loss_fn.use_importance_sampling_correction=true",
+              *ASYNC, "grpo.async_grpo.max_trajectory_age_steps=1")
+    rewards = [r["reward"] for r in read_metrics(f"{tmp_path}/logs", "train")]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"async reward first10={first:.3f} last10={last:.3f}; by 50 steps: "
+          + " ".join(f"{sum(rewards[i:i + 50]) / 50:.2f}" for i in range(0, len(rewards), 50)))
+    assert len(rewards) == 400 and last - first >= 0.3, (first, last)
+    ages = read_metrics(f"{tmp_path}/logs", "async")
+    assert max(r["trajectory_age_max"] for r in ages) == 1
