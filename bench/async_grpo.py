@@ -1,10 +1,11 @@
 """Step time of async GRPO against synchronous GRPO, both with non-colocated generation, in one run.
 
-    python bench/async_grpo.py                          # the default recipe's model, 20 steps each
-    python bench/async_grpo.py --steps 30 --max-new-tokens 8 --policy-ranks 1
+    python bench/async_grpo.py                          # the default recipe's model, 20 steps each (~1 min)
+    python bench/async_grpo.py --steps 30 --max-new-tokens 4 --max-age 2
 
-Same for both runs: the default recipe (builtin:tiny-addition, 16 prompts x 8 samples, AdamW 5e-4), engine
---engine on actors of its own (policy.generation.colocated.enabled=false), importance-sampling correction on,
+Same for both runs: the default recipe (builtin:tiny-addition, 16 prompts x 8 samples, AdamW 5e-4; at most
+--max-new-tokens 8, where generation with scoring and training take about the same time), engine --engine on
+actors of its own (policy.generation.colocated.enabled=false), importance-sampling correction on,
 no validation, no checkpoints, --policy-ranks DTensor ranks, one torch thread per process. The async run has
 grpo.async_grpo.enabled=true with max_trajectory_age_steps --max-age. Per run: median seconds per step after
 --warmup steps, and the median of each section: generation (+ environment) of the step's rollouts, log-probs,
@@ -65,7 +66,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--engine", choices=["vllm", "torch"], default="vllm")
-    ap.add_argument("--max-new-tokens", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--max-age", type=int, default=1)
     ap.add_argument("--policy-ranks", type=int, default=1)
     args = ap.parse_args()

@@ -1,12 +1,16 @@
-"""Refit time and bandwidth in both modes against a plain in-memory copy of the same bytes.
+"""Refit time and bandwidth in both modes, against torch's memcpy of the same bytes, per model, in one run.
 
-    python bench/refit.py                                  # the tiny test model (1.3 MB of weights)
-    python bench/refit.py --hidden 512 --intermediate 2048 --layers 5    # ~84 MB of random weights
-    python bench/refit.py --engine vllm --bucket-mb 16
+    python bench/refit.py                                 # SmolLM2-135M-Instruct and a 1B-shaped random Llama
+    python bench/refit.py --models tiny --engines torch   # the tiny test model (seconds)
+    python bench/refit.py --models 1b --bucket-mb 64 --repeats 5
 
-A policy (dp=2, gloo) and one engine; each mode's refitter is warmed up once (the non-colocated group is set
-up then), then timed over --repeats refits. The baseline copies the exported weights in the driver: `clone`
-of every tensor, and `torch.cat` into one flat buffer (what packing a bucket costs).
+Per model: a policy (DTensor, dp=2, gloo, 1 thread per rank) and, one after the other, each engine (torch; vLLM
+where installed); each mode's refitter is warmed up once (it maps its region, or sets up its group, then), then timed over
+--repeats refits: colocated (host shared memory, `SharedMemoryRefitter`) and non-colocated (a gloo group,
+`CollectiveRefitter`). The baseline is `dst.copy_(src)` of the refit's bytes between two buffers allocated
+and touched beforehand (memcpy at the memory's bandwidth); `clone` (allocating, first touch) is shown too.
+The 1B shape is Llama-3.2-1B's transformer (hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192) with the
+tiny tokenizer's vocabulary, so the embedding is small: ~0.97B parameters, 3.6 GiB in float32.
 """
 
 from __future__ import annotations
@@ -15,66 +19,93 @@ import argparse
 import dataclasses
 import os
 import tempfile
-import time
 
 import torch
 from timing import median_seconds  # bench/timing.py
 
+SHAPES = {"tiny": {}, "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                             "num_attention_heads": 32, "num_key_value_heads": 8}}
+
+
+def model_path(name: str, workdir: str) -> str:
+    from nemo_grpo.models.builtin import resolve_model_path
+    from nemo_grpo.models.tiny import save_tiny_model
+
+    if name == "smollm2":
+        return resolve_model_path("builtin:smollm2-135m-instruct")
+    return save_tiny_model(os.path.join(workdir, name), arch="llama", **SHAPES[name])
+
+
+def memcpy_seconds(nbytes: int, repeats: int) -> tuple[float, float]:
+    """(median seconds of copy_ between two touched buffers, of clone) for nbytes."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    copy = median_seconds(lambda: dst.copy_(src), repeats)
+    dst = None  # its memory back before clone allocates
+    return copy, median_seconds(src.clone, repeats)
+
+
+def refit_seconds(name: str, path: str, engines: list[str], bucket_mb: float, repeats: int) -> dict:
+    """{engine: {mode: median seconds, mode + " first": seconds}, "bytes": refit bytes} for one model."""
+    from nemo_grpo.config import ClusterConfig, ColocatedConfig, PolicyConfig
+    from nemo_grpo.generation import make_generation_engine
+    from nemo_grpo.policy import Policy
+    from nemo_grpo.weights.refit import make_refitter
+
+    cluster = ClusterConfig(gpus_per_node=2, num_nodes=1, num_threads_per_worker=1)
+    cfg = PolicyConfig(model_name=path)
+    cfg.generation.refit_bucket_size_mb = bucket_mb
+    out: dict = {}
+    with Policy(cfg, cluster, path) as policy:
+        for kind in engines:
+            gen_cfg = dataclasses.replace(cfg.generation, backend=kind)
+            engine, times = make_generation_engine(gen_cfg, path, cluster), {}
+            try:
+                for mode, colocated in (("colocated", True), ("non-colocated", False)):
+                    refitter = make_refitter(policy, engine, dataclasses.replace(
+                        gen_cfg, colocated=ColocatedConfig(enabled=colocated)))
+                    first = refitter.refit()  # maps the region / sets up the group
+                    out["bytes"], times[f"{mode} first"] = first["bytes"], first["seconds"]
+                    times[mode] = median_seconds(refitter.refit, repeats)
+                    refitter.close()  # its region's memory, before the next mode's
+                    print(f"{name}, {kind} engine: {mode} refit {times[mode]:.3f} s (first {first['seconds']:.3f} s)",
+                          flush=True)
+            finally:
+                engine.shutdown()
+            out[kind] = times
+    return out
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--engine", choices=["torch", "vllm"], default="torch")
+    ap.add_argument("--models", nargs="+", choices=["tiny", "smollm2", "1b"], default=["smollm2", "1b"])
+    ap.add_argument("--engines", nargs="+", choices=["torch", "vllm"], default=None,
+                    help="default: both where vLLM is installed, else torch")
     ap.add_argument("--bucket-mb", type=float, default=256.0)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
-
-    from nemo_grpo.config import ClusterConfig, ColocatedConfig, PolicyConfig
     from nemo_grpo.distributed.cluster import init_ray
-    from nemo_grpo.generation import make_generation_engine
-    from nemo_grpo.weights.refit import make_refitter
-    from nemo_grpo.models.tiny import save_tiny_model
-    from nemo_grpo.policy import Policy
+    from nemo_grpo.generation import vllm_available
 
-    workdir = tempfile.TemporaryDirectory()
-    path = save_tiny_model(os.path.join(workdir.name, "model"), hidden_size=args.hidden,
-                           intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                           num_attention_heads=args.hidden // 32, num_key_value_heads=args.hidden // 32)
+    engines = args.engines or (["torch", "vllm"] if vllm_available() else ["torch"])
     init_ray()
-    cluster = ClusterConfig(gpus_per_node=2, num_nodes=1, num_threads_per_worker=1)
-    cfg = PolicyConfig(model_name=path)
-    cfg.generation.backend, cfg.generation.refit_bucket_size_mb = args.engine, args.bucket_mb
-    policy = Policy(cfg, cluster, path)
-    engine = make_generation_engine(cfg.generation, path, cluster)
-    try:
-        state = {k: v for b in policy.export_weights(args.bucket_mb) for k, v in b.items()}
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        print(f"model: {nbytes / 2**20:.1f} MiB in {len(state)} tensors; engine {args.engine}; "
-              f"buckets of {args.bucket_mb} MB; median of {args.repeats}")
-        rows = [("in-memory clone", median_seconds(lambda: {k: v.clone() for k, v in state.items()}, args.repeats)),
-                ("in-memory torch.cat", median_seconds(lambda: torch.cat([v.reshape(-1) for v in state.values()]),
-                                              args.repeats))]
-        rows.append(("policy export only (to the driver)",
-                     median_seconds(lambda: [None for _ in policy.export_weights(args.bucket_mb)], args.repeats)))
-        for mode, colocated in (("colocated (object store)", True), ("non-colocated (gloo group)", False)):
-            gen_cfg = dataclasses.replace(cfg.generation, colocated=ColocatedConfig(enabled=colocated))
-            refitter = make_refitter(policy, engine, gen_cfg)
-            start = time.perf_counter()
-            refitter.refit()  # warm-up; sets up the group in the non-colocated mode
-            print(f"{mode}: first refit {time.perf_counter() - start:.3f} s")
-            rows.append((f"refit, {mode}", median_seconds(refitter.refit, args.repeats)))
-            if not colocated:
-                rows.append(("  of which policy side (gather+send)",
-                             sorted(refitter.refit()["send_seconds"] for _ in range(args.repeats))[args.repeats // 2]))
-        for name, seconds in rows:
-            print(f"  {name:38s} {seconds * 1e3:9.1f} ms  {nbytes / seconds / 2**30:8.2f} GiB/s")
-    finally:
-        engine.shutdown()
-        policy.shutdown()
-        workdir.cleanup()
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for name in args.models:
+            result = refit_seconds(name, model_path(name, workdir), engines, args.bucket_mb, args.repeats)
+            copy, clone = memcpy_seconds(int(result["bytes"]), args.repeats)
+            rows += [(name, kind, result["bytes"], result[kind], copy, clone) for kind in engines]
+    print(f"\npolicy DTensor dp=2; buckets of {args.bucket_mb:g} MB; median of {args.repeats} refits; GiB/s of the "
+          "refit's bytes; vs memcpy = memcpy seconds / refit seconds")
+    print("| model | engine | MiB | memcpy s (GiB/s) | clone s | colocated s (GiB/s) | vs memcpy | "
+          "non-colocated s (GiB/s) | vs memcpy |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, kind, nbytes, r, copy, clone in rows:
+        gib = nbytes / 2**30
+        cells = [f"{r[m]:.3f} ({gib / r[m]:.2f}) | {copy / r[m]:.2f}" for m in ("colocated", "non-colocated")]
+        print(f"| {name} | {kind} | {nbytes / 2**20:.0f} | {copy:.3f} ({gib / copy:.2f}) | {clone:.3f} | "
+              f"{cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":
