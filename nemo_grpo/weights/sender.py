@@ -170,6 +170,7 @@ class WeightSender:
         torch.distributed.broadcast_object_list(where, src=0)
         self.attach_weight_region(name, *where[0])
         if self.rank == 0:
+            transfer["device"] = self.device if backend == "nccl" else None  # NCCL sends from the device
             transfer["group"] = wt.join_group("", 0, 0, world_size, backend, transfer["timeout_s"],
                                               store=transfer["store"])
 
@@ -181,13 +182,16 @@ class WeightSender:
         if transfer is None:
             raise RuntimeError(f"send_weights: no weight transfer '{name}' (call open_weight_transfer first)")
         start, sent = time.perf_counter(), 0
-        in_flight: list = []
+        in_flight: tuple = ([], [])  # (works, buffers) of the broadcast under way: its buffers live until done
         for index in range(len(transfer["plan"])):
             sent += self.write_weight_bucket(name, index)
             if self.rank == 0:
-                wt.wait(in_flight)
-                in_flight = wt.broadcast_async(transfer["group"], transfer["buffers"][index])
-        wt.wait(in_flight)
+                flats = transfer["buffers"][index]
+                if transfer["device"] is not None:
+                    flats = [f.to(transfer["device"]) for f in flats]
+                wt.wait(in_flight[0])
+                in_flight = (wt.broadcast_async(transfer["group"], flats), flats)
+        wt.wait(in_flight[0])
         if self.rank != 0:
             return None
         return {"bytes": float(sent), "buckets": float(len(transfer["plan"])), "seconds": time.perf_counter() - start}
