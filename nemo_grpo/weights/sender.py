@@ -115,7 +115,7 @@ class WeightSender:
         if region is not None:
             transfer["buffers"] = wt.bucket_buffers(region.tensor, plan)
             transfer["views"] = [wt.unpack(f, b) for f, b in zip(transfer["buffers"], plan)]
-        everyone = torch.tensor([float(region is not None)])
+        everyone = torch.tensor([float(region is not None)], device=self.device)  # (NCCL: on the device)
         torch.distributed.all_reduce(everyone, op=torch.distributed.ReduceOp.MIN)
         transfer["in_place"] = bool(everyone.item())
         torch.distributed.barrier()
