@@ -96,7 +96,9 @@ def build_trainer(cfg: MasterConfig, *, log_to_driver: bool = True):
     policy = Policy(cfg.policy, plan.placements["policy"].as_cluster(cfg.cluster.num_threads_per_worker),
                     model_path, init_reference=cfg.loss_fn.reference_policy_kl_penalty > 0, seed=cfg.grpo.seed,
                     placement_group=groups["policy"])
-    engine = make_generation_engine(cfg.policy.generation, model_path, cfg.cluster)
+    a = cfg.grpo.async_grpo
+    engine = make_generation_engine(cfg.policy.generation, model_path, cfg.cluster,
+                                    in_flight_updates=a.enabled and a.in_flight_weight_updates)
     ray.get([e.__ray_ready__.remote() for e in envs.values()])
     return GRPOTrainer(cfg, tokenizer=tokenizer, policy=policy, engine=engine, task_to_env=envs, loader=loader,
                        val_datums=val, logger=logger, checkpointer=checkpointer, placement_groups=groups)

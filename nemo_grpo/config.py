@@ -204,7 +204,7 @@ class AsyncGRPOConfig:
     (nemo_grpo/algorithms/async_rollouts.py)."""
     enabled: bool = False
     max_trajectory_age_steps: int = 1  # rollouts train at most this many optimizer steps after their weights
-    in_flight_weight_updates: bool = False  # new weights reach the engine mid-batch, not between batches
+    in_flight_weight_updates: bool = False  # new weights reach the engine between two forward steps of a batch
 
 
 @dataclass

@@ -261,8 +261,6 @@ def _validate_async(cfg: MasterConfig) -> None:
           "must be true with grpo.async_grpo.enabled: rollouts come from weights up to "
           f"grpo.async_grpo.max_trajectory_age_steps={a.max_trajectory_age_steps} steps old, and the loss must "
           "weight them by pi_old / pi_gen")
-    _need(not a.in_flight_weight_updates, "grpo.async_grpo.in_flight_weight_updates",
-          "is not built yet: new weights reach the engine between generation batches; set it to false")
 
 
 def _validate_advantages(cfg: MasterConfig) -> None:

@@ -209,6 +209,8 @@ class GRPOTrainer:
                 train_metrics = self.policy.train(data, self.loss_fn)
             with self.timer.time("refit"):
                 refit = self._refit_engine(step)
+            if self.collector is not None and cfg.grpo.async_grpo.in_flight_weight_updates:
+                async_metrics["async/refits_mid_generation"] = float(self.engine.refits_mid_generation())
         metrics = {**train_metrics, "refit_gib_per_s": refit["bytes"] / max(refit["seconds"], 1e-9) / 2**30,
                    **mismatch, **rollouts.stats, **adv_metrics, **self._env_metrics(batch), **async_metrics,
                    "mean_response_length": batch["response_lengths"].float().mean().item(),
@@ -240,11 +242,13 @@ class GRPOTrainer:
                           "async/dropped_stale": float(dropped)}
 
     def _refit_engine(self, step: int) -> dict[str, float]:
-        """Refit after step `step`; under async GRPO between two generation batches, then the collector may
-        run on. A dead engine is a GenerationFailed that says the run stops."""
+        """Refit after step `step`; under async GRPO between two generation batches (with in-flight weight
+        updates at once: the engine takes it between two forward steps), then the collector may run on. A dead
+        engine is a GenerationFailed that says the run stops."""
         from ray.exceptions import RayActorError
 
-        lock = self.collector.engine_lock if self.collector else contextlib.nullcontext()
+        between_batches = self.collector is not None and not self.cfg.grpo.async_grpo.in_flight_weight_updates
+        lock = self.collector.engine_lock if between_batches else contextlib.nullcontext()
         with lock:
             if self.collector is not None:
                 self.collector.raise_if_failed()  # no refit into an engine that died generating

@@ -49,6 +49,12 @@ class GenerationEngine(ABC):
                                       "(policy.generation.colocated.enabled=false)")
         return [self.actor]
 
+    def refits_mid_generation(self) -> int:
+        """Refits so far that landed while a generate call was under way (in-flight weight updates)."""
+        import ray
+
+        return sum(ray.get([w.refits_mid_generation.remote() for w in self.workers()]))
+
     def shutdown(self) -> None:
         """Free the engine's actors; safe twice."""
         import ray

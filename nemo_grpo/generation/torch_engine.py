@@ -32,10 +32,11 @@ class TorchGenerationWorker(WeightReceiver):
     """Ray actor holding one HF causal LM (on the CPU); `generate` runs a batched, left-padded sampling loop.
     Refit: `load_bucket` per bucket, from the driver (colocated) or from a weight-transfer group (WeightReceiver)."""
 
-    def __init__(self, model_path: str, cfg, num_threads: int = 1):
+    def __init__(self, model_path: str, cfg, num_threads: int = 1, in_flight_updates: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(num_threads)
+        self._init_weight_receiver(in_flight_updates)
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -63,8 +64,16 @@ class TorchGenerationWorker(WeightReceiver):
         tail = self.tokenizer.decode(tokens[-longest:], skip_special_tokens=False)
         return any(s in tail for s in stops)
 
-    @torch.no_grad()
     def generate(self, prompts, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
+        with self._generation(), torch.no_grad():
+            return self._sample(prompts, greedy, seed, stop_strings, max_new_tokens)
+
+    def _forward(self, **inputs):
+        """One forward step of the sampling loop (a refit may land between two)."""
+        with self._model_turn():
+            return self.model(**inputs, use_cache=True)
+
+    def _sample(self, prompts, greedy, seed, stop_strings, max_new_tokens):
         cfg = self.cfg
         max_new = max_new_tokens or cfg.max_new_tokens
         if seed is not None:
@@ -77,8 +86,7 @@ class TorchGenerationWorker(WeightReceiver):
         for i, p in enumerate(prompts):  # left padding: the newest token of every row is in the last column
             ids[i, P - len(p):] = torch.tensor(p)
             mask[i, P - len(p):] = 1
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                         use_cache=True)
+        out = self._forward(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
         tokens, logprobs = [[] for _ in range(B)], [[] for _ in range(B)]
         done = torch.zeros(B, dtype=torch.bool)
         reasons = ["length"] * B
@@ -97,19 +105,20 @@ class TorchGenerationWorker(WeightReceiver):
             if bool(done.all()) or step == max_new - 1:
                 break
             mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
-            out = self.model(input_ids=nxt[:, None], attention_mask=mask, past_key_values=out.past_key_values,
-                             position_ids=(mask.sum(-1, keepdim=True) - 1), use_cache=True)
+            out = self._forward(input_ids=nxt[:, None], attention_mask=mask, past_key_values=out.past_key_values,
+                                position_ids=(mask.sum(-1, keepdim=True) - 1))
         return [GenerationOutput(t, lp, r) for t, lp, r in zip(tokens, logprobs, reasons)]
 
 
 class TorchGeneration(GenerationEngine):
     """Driver-side front of one TorchGenerationWorker actor."""
 
-    def __init__(self, cfg, model_path: str, cluster_cfg):
+    def __init__(self, cfg, model_path: str, cluster_cfg, *, in_flight_updates: bool = False):
         import ray
 
-        self.actor = ray.remote(TorchGenerationWorker).options(num_cpus=0).remote(
-            model_path, cfg, cluster_cfg.num_threads_per_worker)
+        self.actor = ray.remote(TorchGenerationWorker).options(
+            num_cpus=0, max_concurrency=2 if in_flight_updates else 1).remote(
+            model_path, cfg, cluster_cfg.num_threads_per_worker, in_flight_updates)
 
     def generate(self, prompts, *, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
         import ray

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import logging
 import os
 from collections import deque
@@ -110,7 +111,8 @@ class VllmGenerationWorker(WeightReceiver):
     (colocated) or from a weight-transfer group (non-colocated, WeightReceiver)."""
 
     def __init__(self, model_path: str, num_threads: int = 1, max_model_len: Optional[int] = None,
-                 gpu_memory_utilization: float = 0.9, seed: int = 0, tensor_parallel_size: int = 1):
+                 gpu_memory_utilization: float = 0.9, seed: int = 0, tensor_parallel_size: int = 1,
+                 in_flight_updates: bool = False):
         for key, value in ENGINE_ENV.items():
             os.environ[key] = value  # before vLLM is imported; the actor's runtime_env sets them too
         for key, value in QUIET_LOGGING.items():
@@ -118,6 +120,8 @@ class VllmGenerationWorker(WeightReceiver):
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             lambda record: record.getMessage() != EXPECTED_RELOAD_WARNING)
         torch.set_num_threads(num_threads)  # before vLLM's CPU worker disables set_num_threads
+        self._init_weight_receiver(in_flight_updates)
+        self._request_ids = itertools.count()
         self.llm = self._build_llm(model_path, max_model_len, gpu_memory_utilization, seed, tensor_parallel_size)
         config = self.llm.llm_engine.model_config.hf_config
         self.known_names = checkpoint_weight_names(model_path, bool(getattr(config, "tie_word_embeddings", False)))
@@ -160,7 +164,7 @@ class VllmGenerationWorker(WeightReceiver):
         """One sample per prompt (token-id lists) -> list[GenerationOutput]; sampling settings from `cfg`."""
         from vllm import SamplingParams
 
-        if self._refit_loaded is not None:
+        if self._refit_loaded is not None and self._model_lock is None:  # (in-flight: steps wait for the refit)
             raise RuntimeError("generate called while a refit is open (finish_refit was not called)")
         if not prompts:
             return []
@@ -170,8 +174,29 @@ class VllmGenerationWorker(WeightReceiver):
         params = [SamplingParams(**sampling_kwargs(cfg, greedy, max_new_tokens, per_prompt[i]),
                                  seed=None if seed is None or greedy else request_seed(seed, i))
                   for i in range(len(prompts))]
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        with self._generation():
+            if self._model_lock is None:
+                outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+            else:
+                outs = self._generate_in_steps(prompts, params)
         return [_to_output(out.outputs[0]) for out in outs]
+
+    def _generate_in_steps(self, prompts, params) -> list:
+        """LLM.generate's loop (same requests, same outputs), one engine step at a time, so that a refit may land
+        between two steps; the requests under way keep their KV cache (no recomputation)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine, ids = self.llm.llm_engine, []
+        for prompt, p in zip(prompts, params):
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+            ids.append(f"nemo-{next(self._request_ids)}")
+            engine.add_request(ids[-1], {"prompt_token_ids": list(prompt)}, p)
+        done = {}
+        while len(done) < len(ids):
+            with self._model_turn():
+                outputs = engine.step()
+            done.update((o.request_id, o) for o in outputs if o.finished)
+        return [done[i] for i in ids]
 
     def _weight_names(self) -> Optional[set[str]]:
         return self.known_names
@@ -257,7 +282,7 @@ class VllmGeneration(GenerationEngine):
     GPUs (vLLM in bfloat16; its TP workers use the actor's devices).
     """
 
-    def __init__(self, cfg, model_path: str, cluster_cfg, *, seed: int = 0):
+    def __init__(self, cfg, model_path: str, cluster_cfg, *, seed: int = 0, in_flight_updates: bool = False):
         import ray
 
         if not vllm_available():
@@ -267,9 +292,10 @@ class VllmGeneration(GenerationEngine):
         v = cfg.vllm_cfg
         num_gpus = v.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
         self.actor = ray.remote(VllmGenerationWorker).options(
-            num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env}).remote(
+            num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env},
+            max_concurrency=2 if in_flight_updates else 1).remote(
             model_path, cluster_cfg.num_threads_per_worker, v.max_model_len, v.gpu_memory_utilization, seed,
-            v.tensor_parallel_size)
+            v.tensor_parallel_size, in_flight_updates)
         ray.get(self.actor.__ray_ready__.remote())  # surface start-up errors here, not at the first generate
 
     def generate(self, prompts, *, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):

@@ -9,7 +9,10 @@ the planned layout and loads the bucket. Either way, `begin_refit` / `load_bucke
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import threading
+import time
+from typing import Iterator, Optional
 
 import torch
 
@@ -27,6 +30,45 @@ class WeightReceiver:
 
     _receiver: Optional[dict] = None
     _region: Optional[dict] = None
+    _model_lock: Optional[threading.Lock] = None  # in-flight weight updates: forward steps and refits alternate
+    _generations = 0  # generate calls under way
+    _refits_waiting = 0  # refits waiting for the model
+    _refits_mid_generation = 0  # refits that landed while a generate call was under way
+
+    def _init_weight_receiver(self, in_flight_updates: bool) -> None:
+        """In the worker's constructor. in_flight_updates: the actor runs two calls at once (max_concurrency=2),
+        so a refit may land between two forward steps of a generate call under way."""
+        self._model_lock = threading.Lock() if in_flight_updates else None
+
+    @contextlib.contextmanager
+    def _model_turn(self, refit: bool = False) -> Iterator[None]:
+        """Held around each forward step of generation and around a whole refit (a no-op without in-flight
+        updates, where the actor runs one call at a time). A waiting refit goes before the next step."""
+        if self._model_lock is None:
+            yield
+            return
+        if refit:
+            self._refits_waiting += 1
+        else:
+            while self._refits_waiting:
+                time.sleep(0.001)
+        with self._model_lock:
+            if refit:
+                self._refits_waiting -= 1
+            yield
+
+    @contextlib.contextmanager
+    def _generation(self) -> Iterator[None]:
+        """Around a generate call: counts it as under way."""
+        self._generations += 1
+        try:
+            yield
+        finally:
+            self._generations -= 1
+
+    def refits_mid_generation(self) -> int:
+        """How many refits so far landed while a generate call was under way (in-flight weight updates)."""
+        return self._refits_mid_generation
 
     def begin_refit(self) -> None:
         """Before a refit's first bucket."""
@@ -114,7 +156,12 @@ class WeightReceiver:
         """
         if self._receiver is None:
             raise RuntimeError("receive_weights: not in a weight-transfer group (join_weight_transfer first)")
-        plan = self._receiver["plan"]
+        with self._model_turn(refit=True):
+            self._refits_mid_generation += self._generations > 0
+            return self._receive_all(self._receiver["plan"])
+
+    def _receive_all(self, plan: list[list[TensorSpec]]) -> int:
+        """receive_weights' protocol, with the model to itself."""
         error: Optional[BaseException] = None
         loaded = 0
         try:

@@ -141,7 +141,11 @@ class CollectiveRefitter:
         start = time.perf_counter()
         sends = self.policy.send_weights_async(self.name)
         receives = [w.receive_weights.remote() for w in self.workers]
-        sent = ray.get(sends + receives)[0]  # policy rank 0's {"bytes", "buckets", "seconds"}
+        pending = sends + receives
+        while pending:  # a failed member (a dead engine actor) raises at once, not after the others time out
+            ready, pending = ray.wait(pending, num_returns=1)
+            ray.get(ready)
+        sent = ray.get(sends[0])  # policy rank 0's {"bytes", "buckets", "seconds"}
         return {"bytes": sent["bytes"], "buckets": sent["buckets"], "seconds": time.perf_counter() - start,
                 "send_seconds": sent["seconds"]}
 

@@ -1,7 +1,7 @@
 """Async GRPO end to end on the CPU (non-colocated generation, importance-sampling correction): with
 max_trajectory_age_steps 0 it is synchronous GRPO step for step; with 1 every trajectory is at most one step old,
-a checkpoint taken with rollouts in flight resumes; a killed generation actor stops the run with a message; the
-default recipe learns async."""
+a checkpoint taken with rollouts in flight resumes; in-flight weight updates run; a killed generation actor stops
+the run with a message; the default recipe learns async."""
 
 import json
 import os
@@ -53,6 +53,19 @@ def test_ages_stay_within_the_bound_and_a_checkpoint_with_rollouts_in_flight_res
     assert (done["steps"], done["resumed_at"]) == ("4", "2")
     resumed = read_metrics(f"{tmp_path}/logs", "async")[4:]
     assert [r["step"] for r in resumed] == [3, 4] and resumed[0]["trajectory_age_max"] == 0  # regenerated
+
+
+@pytest.mark.slow
+def test_in_flight_weight_updates_run_within_the_age_bound(tmp_path):
+    """The trainer refits without waiting for the generation batch under way (the engine takes the weights
+    between two forward steps); ages stay within the bound, counted from each batch's first weights."""
+    run_train(tmp_path, "grpo.max_num_steps=5", "checkpointing.enabled=false", *COMMON, *ASYNC,
+              "grpo.async_grpo.in_flight_weight_updates=true")
+    ages = read_metrics(f"{tmp_path}/logs", "async")
+    assert [r["step"] for r in ages] == [1, 2, 3, 4, 5]
+    assert all(r["trajectory_age_max"] <= 1 and r["dropped_stale"] == 0 for r in ages)
+    counts = [r["refits_mid_generation"] for r in ages]
+    assert counts == sorted(counts) and counts[-1] <= 5  # cumulative, at most one per refit
 
 
 def engine_processes(root_pid: int) -> list[psutil.Process]:

@@ -8,6 +8,8 @@ greedy decoding is computed here with plain transformers from the policy's expor
 
 import dataclasses
 import sys
+import threading
+import time
 import zlib
 
 import pytest
@@ -159,3 +161,35 @@ def test_sampled_logprobs_match_the_policy_after_refit_and_not_when_stale(policy
     diff, refit = sampled_vs_policy(engine, pol, seed=2)
     assert diff <= 1e-4
     assert abs(refit["token_mult_prob_error"] - 1.0) < 1e-3 and abs(refit["gen_kl_error"]) < 1e-6
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_an_in_flight_refit_lands_mid_generation_and_the_engine_follows(policy, engine_name):
+    """grpo.async_grpo.in_flight_weight_updates: a non-colocated refit while a long generate call is under way
+    lands between two of its forward steps; the call still returns every response, and the engine then
+    decodes as the policy does."""
+    pol, path = policy
+    kind = TorchGeneration if engine_name == "torch" else VllmGeneration
+    gen_cfg = dataclasses.replace(pol.cfg.generation, colocated=ColocatedConfig(enabled=False), max_new_tokens=100)
+    engine = kind(gen_cfg, path, CLUSTER, in_flight_updates=True)
+    refitter = make_refitter(pol, engine, gen_cfg)
+    try:
+        refitter.refit()
+        pol.train(target_batch(seed=41), TargetLoss())
+        many = PROMPTS * 16
+        for _ in range(3):  # a generate call of 96 x 100 tokens; the refit goes out once it has started
+            results = []
+            call = threading.Thread(target=lambda: results.append(engine.generate(many)))
+            call.start()
+            time.sleep(0.1)
+            refitter.refit()
+            call.join()
+            assert len(results[0]) == len(many)
+            if engine.refits_mid_generation():
+                break
+        assert engine.refits_mid_generation() == 1
+        greedy = [o.token_ids for o in engine.generate(PROMPTS, greedy=True, max_new_tokens=MAX_NEW)]
+        assert greedy == policy_greedy(pol, path)
+    finally:
+        refitter.close()
+        engine.shutdown()

@@ -81,8 +81,6 @@ BAD = [
     (ASYNC[:1] + ["policy.generation.colocated.enabled=false"], "loss_fn.use_importance_sampling_correction"),
     (ASYNC + ["policy.generation.colocated.enabled=false", "grpo.async_grpo.max_trajectory_age_steps=-1"],
      "grpo.async_grpo.max_trajectory_age_steps"),
-    (ASYNC + ["policy.generation.colocated.enabled=false", "grpo.async_grpo.in_flight_weight_updates=true"],
-     "grpo.async_grpo.in_flight_weight_updates"),
 ]
 
 

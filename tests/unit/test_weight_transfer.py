@@ -3,6 +3,7 @@ engine-side receiver's protocol (every bucket received even after a failed load)
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -158,3 +159,44 @@ def test_non_colocated_generation_on_gpus_needs_its_resources():
         check_generation_resources(cfg, on_gpus=True)
     cfg.colocated.resources.gpus_per_node, cfg.colocated.resources.num_nodes = 4, 1
     check_generation_resources(cfg, on_gpus=True)
+
+
+class Stepper(WeightReceiver):
+    """An engine worker whose forward steps record the weight version they ran with; a refit bumps it."""
+
+    def __init__(self, in_flight: bool):
+        self._init_weight_receiver(in_flight)
+        self._receiver = {"plan": []}
+        self.version, self.seen = 0, []
+
+    def generate(self, steps: int) -> None:
+        with self._generation():
+            for _ in range(steps):
+                with self._model_turn():
+                    self.seen.append(self.version)
+                    time.sleep(0.001)
+
+    def _receive_all(self, plan) -> int:
+        self.version += 1
+        return 1
+
+
+def test_an_in_flight_refit_lands_between_two_forward_steps():
+    worker = Stepper(in_flight=True)
+    gen = threading.Thread(target=worker.generate, args=(300,))
+    gen.start()
+    while len(worker.seen) < 20:
+        time.sleep(0.001)
+    worker.receive_weights()  # waits for the step under way, then goes before the next
+    gen.join()
+    assert worker.seen[0] == 0 and worker.seen[-1] == 1 and worker.seen == sorted(worker.seen)
+    assert 20 <= worker.seen.index(1) < 300 and worker.refits_mid_generation() == 1
+    worker.receive_weights()  # between generations: not counted
+    assert worker.refits_mid_generation() == 1
+
+
+def test_without_in_flight_updates_the_model_turn_is_free():
+    worker = Stepper(in_flight=False)
+    with worker._model_turn():
+        worker.receive_weights()  # no lock: the actor runs one call at a time anyway
+    assert worker.version == 1
