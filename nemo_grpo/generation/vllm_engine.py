@@ -27,7 +27,13 @@ group instead of through the driver. Each phase runs on every vLLM worker throug
 `policy.generation.vllm_cfg.tensor_parallel_size > 1` works the same way: every TP worker receives the full
 HF tensors of a bucket and keeps its shard (its own `load_weights`). With TP 1 the worker is in the actor's
 process; with more, vLLM starts one process per device (on a CPU with `VLLM_CPU_OMP_THREADS_BIND=nobind`
-unless set: vLLM's automatic binding wants a NUMA node per worker).
+unless set: vLLM's automatic binding wants a NUMA node per worker). Colocated, the buckets come from a region
+of host shared memory the actor maps once (`load_region_bucket`). On this CPU build the reload itself costs
+~1.3 s per GiB: vLLM re-creates each layer and re-packs its linear weights for oneDNN (bench/refit.py).
+
+In-flight weight updates (async GRPO): the actor runs two calls at once; `generate` then adds its requests to
+`LLM.llm_engine` and steps it itself, one step per turn of the model lock, so a refit lands between two steps
+(requests under way keep their KV cache).
 """
 
 from __future__ import annotations
@@ -192,10 +198,14 @@ class VllmGenerationWorker(WeightReceiver):
             ids.append(f"nemo-{next(self._request_ids)}")
             engine.add_request(ids[-1], {"prompt_token_ids": list(prompt)}, p)
         done = {}
-        while len(done) < len(ids):
-            with self._model_turn():
-                outputs = engine.step()
-            done.update((o.request_id, o) for o in outputs if o.finished)
+        try:
+            while len(done) < len(ids):
+                with self._model_turn():
+                    outputs = engine.step()
+                done.update((o.request_id, o) for o in outputs if o.finished)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in done])  # leave no request behind for the next call
+            raise
         return [done[i] for i in ids]
 
     def _weight_names(self) -> Optional[set[str]]:
