@@ -14,6 +14,10 @@ old-policy forward: with num_iterations=1 it reuses the detached current log-pro
 Every process runs one torch thread (driver and TRL subprocess: set_num_threads(1) + OMP_NUM_THREADS=1;
 Ray actors: cluster.num_threads_per_worker=1).
 
+A fourth run, "nemo_grpo (vllm, async)", is async GRPO (grpo.async_grpo, rollouts at most one step old, the
+engine non-colocated, importance-sampling correction on): generation overlaps training, its per-step seconds
+come from the step's own timer. It changes the algorithm (one step off-policy): compare its reward too.
+
 Per run: s/step = median wall time of a step after the first --warmup steps; tok/s = generated tokens of those
 steps / their seconds (response tokens, EOS included: mean_response_length x samples for nemo_grpo, TRL's
 completions/mean_length x samples); reward = mean of the last 10 steps' mean reward.
@@ -82,24 +86,37 @@ def copy_bound(trainer) -> dict[str, float]:
             "bytes": float(sum(t.numel() * t.element_size() for t in state.values()))}
 
 
-def run_nemo(engine: str, args) -> dict:
-    """One in-process nemo_grpo run: per-step seconds, generated tokens, rewards, refit stats, copy bound."""
+ASYNC = ["policy.generation.colocated.enabled=false", "loss_fn.use_importance_sampling_correction=true",
+         "grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=1"]
+
+
+def run_nemo(engine: str, args, asynchronous: bool = False) -> dict:
+    """One in-process nemo_grpo run: per-step seconds, generated tokens, rewards, refit stats, copy bound.
+    asynchronous: async GRPO (one step off-policy, non-colocated engine) through trainer.run()."""
     from nemo_grpo.build import build_trainer
     from nemo_grpo.validation import load_config
 
     log_dir = tempfile.mkdtemp(prefix=f"bench_{engine}_")
-    trainer = build_trainer(load_config(None, nemo_overrides(engine, args, log_dir)))
+    overrides = nemo_overrides(engine, args, log_dir) + (ASYNC if asynchronous else [])
+    trainer = build_trainer(load_config(None, overrides))
     try:
         trainer.refitter = RecordingRefitter(trainer.refitter)
-        seconds, tokens, rewards, sections = [], [], [], []
-        for step in range(1, args.steps + 1):
-            start = time.perf_counter()
-            metrics = trainer.train_step()
-            seconds.append(time.perf_counter() - start)
-            sections.append(trainer.timer.get_timing_metrics())  # seconds per section of this step
-            tokens.append(metrics["mean_response_length"] * SAMPLES)
-            rewards.append(metrics["reward"])
-            print(f"  [{engine}] step {step}: {seconds[-1]:.3f} s, reward {rewards[-1]:.3f}", flush=True)
+        if asynchronous:  # the collector runs beside the trainer: per-step seconds from the step's own timer
+            history = trainer.run()
+            seconds = [h["timing/total"] for h in history]
+            sections = [{k.split("/", 1)[1]: v for k, v in h.items() if k.startswith("timing/")} for h in history]
+            tokens = [h["mean_response_length"] * SAMPLES for h in history]
+            rewards = [h["reward"] for h in history]
+        else:
+            seconds, tokens, rewards, sections = [], [], [], []
+            for step in range(1, args.steps + 1):
+                start = time.perf_counter()
+                metrics = trainer.train_step()
+                seconds.append(time.perf_counter() - start)
+                sections.append(trainer.timer.get_timing_metrics())  # seconds per section of this step
+                tokens.append(metrics["mean_response_length"] * SAMPLES)
+                rewards.append(metrics["reward"])
+                print(f"  [{engine}] step {step}: {seconds[-1]:.3f} s, reward {rewards[-1]:.3f}", flush=True)
         refits = trainer.refitter.stats[args.warmup:] or trainer.refitter.stats
         refit = {"seconds": statistics.median(r["seconds"] for r in refits), "bytes": refits[-1]["bytes"]}
         return {"seconds": seconds, "tokens": tokens, "rewards": rewards, "refit": refit,
@@ -208,8 +225,8 @@ def print_table(results: dict[str, dict], args) -> None:
     print("\nnemo_grpo step sections (median seconds after warm-up):")
     for name, r in results.items():
         if "sections" in r:
-            keys = [k for k in ("generation", "environment", "logprobs", "training", "refit", "total")
-                    if k in r["sections"][0]]
+            keys = [k for k in ("generation", "environment", "logprobs", "training", "refit", "generation_wait",
+                                "total") if k in r["sections"][0]]
             print(f"  {name:26s} " + ", ".join(
                 f"{k} {statistics.median(s.get(k, 0.0) for s in r['sections']):.3f}" for k in keys))
     print("\nrefit (median per step after warm-up) vs an in-memory copy of the same bytes in the driver:")
@@ -230,7 +247,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the s/step median and tok/s")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--policy-ranks", type=int, default=2, help="DTensor policy processes (default recipe: 2)")
-    ap.add_argument("--only", nargs="+", choices=["vllm", "torch", "trl"], default=["vllm", "torch", "trl"])
+    ap.add_argument("--only", nargs="+", choices=["vllm", "torch", "trl", "async"],
+                    default=["vllm", "torch", "trl", "async"], help="async: nemo_grpo async GRPO, vLLM engine")
     ap.add_argument("--trl-out", help=argparse.SUPPRESS)  # internal: run as the TRL subprocess
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -244,6 +262,8 @@ def main() -> None:
     for engine in ("vllm", "torch"):
         if engine in args.only:
             results[f"nemo_grpo ({engine} engine)"] = run_nemo(engine, args)
+    if "async" in args.only:
+        results["nemo_grpo (vllm, async)"] = run_nemo("vllm", args, asynchronous=True)
     if results.get("TRL GRPOTrainer"):
         trl = results["TRL GRPOTrainer"]
         print(f"TRL {trl['trl']}: loss_type='dapo' (token-level, global token count); torch threads in its "
