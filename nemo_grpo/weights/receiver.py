@@ -102,9 +102,8 @@ class WeightReceiver:
     def attach_weight_region(self, path: str, plan: list[list[TensorSpec]]) -> None:
         """Map the policy's shared region of `plan` (weights/transfer.py SharedRegion) for the refits to come."""
         self.check_weight_names([s.name for bucket in plan for s in bucket])
-        region = wt.SharedRegion(path, wt.region_layout(plan)[1])
-        self._region = {"region": region, "views": [wt.unpack(f, b) for f, b in
-                                                    zip(wt.bucket_buffers(region.tensor, plan), plan)]}
+        region = wt.SharedRegion(path, wt.region_nbytes(plan))
+        self._region = {"region": region, "views": wt.bucket_views(wt.bucket_buffers(region.tensor, plan), plan)}
 
     def close_weight_transfer(self) -> None:
         """Drop the region's mapping and the transfer group (their memory goes with them)."""
@@ -136,7 +135,7 @@ class WeightReceiver:
         group = wt.join_group(host, port, rank, world_size, backend, timeout_s)
         buffers = None
         if device.type == "cpu":  # one region for every refit: no page faults after the first
-            buffers = wt.bucket_buffers(torch.empty(wt.region_layout(plan)[1], dtype=torch.uint8), plan)
+            buffers = wt.bucket_buffers(torch.empty(wt.region_nbytes(plan), dtype=torch.uint8), plan)
         self._receiver = {"group": group, "plan": plan, "device": device, "buffers": buffers}
 
     def _receive_async(self, index: int) -> tuple[list, list[torch.Tensor]]:

@@ -99,7 +99,7 @@ class WeightSender:
         self._transfers[name] = transfer
         if self.rank != 0:
             return None
-        transfer["region"] = wt.SharedRegion.create(wt.region_layout(plan)[1])
+        transfer["region"] = wt.SharedRegion.create(wt.region_nbytes(plan))
         return {"host": ray.util.get_node_ip_address(), "path": transfer["region"].path, "plan": plan}
 
     def attach_weight_region(self, name: str, host: str, path: str) -> bool:
@@ -110,15 +110,14 @@ class WeightSender:
         transfer = self._transfers[name]
         plan = transfer["plan"]
         if self.rank != 0 and ray.util.get_node_ip_address() == host:
-            transfer["region"] = wt.SharedRegion(path, wt.region_layout(plan)[1])
+            transfer["region"] = wt.SharedRegion(path, wt.region_nbytes(plan))
         region = transfer["region"]
         if region is not None:
             transfer["buffers"] = wt.bucket_buffers(region.tensor, plan)
-            transfer["views"] = [wt.unpack(f, b) for f, b in zip(transfer["buffers"], plan)]
+            transfer["views"] = wt.bucket_views(transfer["buffers"], plan)
         everyone = torch.tensor([float(region is not None)], device=self.device)  # (NCCL: on the device)
-        torch.distributed.all_reduce(everyone, op=torch.distributed.ReduceOp.MIN)
+        torch.distributed.all_reduce(everyone, op=torch.distributed.ReduceOp.MIN)  # also: every rank has mapped
         transfer["in_place"] = bool(everyone.item())
-        torch.distributed.barrier()
         if self.rank == 0:
             region.unlink()  # every process that needs it has mapped it (the engine attached before)
         return transfer["in_place"]
@@ -140,8 +139,7 @@ class WeightSender:
         ranks can each write their own shards overrides it for `in_place`."""
         tensors = self._export_tensors([s.name for s in bucket])
         if self.rank == 0:
-            for spec in bucket:
-                views[spec.name].copy_(tensors[spec.name])
+            wt.fill(views, tensors, bucket)
 
     def close_weight_transfer(self, name: str) -> None:
         """Forget transfer `name`: its region's memory goes with the last mapping, its group with its members."""

@@ -11,7 +11,8 @@ transfer. A bucket travels as one flat buffer per dtype (dtypes in order of firs
 tensors concatenated in plan order): one broadcast per dtype instead of one per tensor.
 
     plan = [[TensorSpec("w", (4, 8), torch.float32), ...], ...]
-    sender:   broadcast(group, pack(tensors, bucket, device))        # rank 0
+    sender:   flats = empty_buffers(bucket, device); fill(unpack(flats, bucket), tensors, bucket)
+              broadcast(group, flats)                                   # rank 0
     receiver: flats = empty_buffers(bucket, device); broadcast(group, flats); views = unpack(flats, bucket)
 
 Both ends keep one bucket in flight (`broadcast_async`): the sender gathers bucket i+1 while bucket i
@@ -137,29 +138,26 @@ def dtype_groups(bucket: list[TensorSpec]) -> list[tuple[torch.dtype, list[Tenso
     return list(groups.items())
 
 
-def pack(tensors: dict[str, torch.Tensor], bucket: list[TensorSpec], device: torch.device) -> list[torch.Tensor]:
-    """Sender: one flat buffer per dtype on `device` (1-D, the bucket's tensors of that dtype concatenated)."""
-    flats = []
-    for dtype, specs in dtype_groups(bucket):
-        parts = []
-        for s in specs:
-            t = tensors[s.name]
-            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
-                raise ValueError(f"weight transfer: '{s.name}' is {tuple(t.shape)} {t.dtype}, the plan says "
-                                 f"{s.shape} {s.dtype}")
-            parts.append(t.reshape(-1))
-        flats.append(torch.cat(parts).to(device))
-    return flats
+def fill(views: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], bucket: list[TensorSpec]) -> None:
+    """Sender: copy each of the bucket's tensors into its view (unpack() of the bucket's buffers), cast to the
+    plan's dtype; a tensor of another shape, or a non-floating tensor of another dtype, is an error naming it."""
+    for s in bucket:
+        t = tensors[s.name]
+        castable = t.dtype == s.dtype or (t.dtype.is_floating_point and s.dtype.is_floating_point)
+        if tuple(t.shape) != s.shape or not castable:
+            raise ValueError(f"weight transfer: '{s.name}' is {tuple(t.shape)} {t.dtype}, the plan says "
+                             f"{s.shape} {s.dtype}")
+        views[s.name].copy_(t)
 
 
 def empty_buffers(bucket: list[TensorSpec], device: torch.device) -> list[torch.Tensor]:
-    """Receiver: uninitialised flat buffers matching pack()'s layout."""
+    """Uninitialised flat buffers of the bucket's layout (one per dtype, in dtype_groups order)."""
     return [torch.empty(sum(s.numel for s in specs), dtype=dtype, device=device)
             for dtype, specs in dtype_groups(bucket)]
 
 
 def unpack(flats: list[torch.Tensor], bucket: list[TensorSpec]) -> dict[str, torch.Tensor]:
-    """Receiver: name -> view of the flat buffers with the spec's shape (no copy), in plan order."""
+    """name -> view of the flat buffers with the spec's shape (no copy), in plan order."""
     views = {}
     for flat, (_, specs) in zip(flats, dtype_groups(bucket)):
         offset = 0
@@ -186,8 +184,19 @@ def region_layout(plan: list[list[TensorSpec]]) -> tuple[list[list[int]], int]:
     return offsets, max(at, ALIGN)
 
 
+def region_nbytes(plan: list[list[TensorSpec]]) -> int:
+    """Bytes of a region that holds `plan`."""
+    return region_layout(plan)[1]
+
+
+def bucket_views(buffers: list[list[torch.Tensor]], plan: list[list[TensorSpec]]) -> list[dict[str, torch.Tensor]]:
+    """Per bucket, name -> full-shape view of its buffers (bucket_buffers' or empty_buffers')."""
+    return [unpack(flats, bucket) for flats, bucket in zip(buffers, plan)]
+
+
 def bucket_buffers(region: torch.Tensor, plan: list[list[TensorSpec]]) -> list[list[torch.Tensor]]:
-    """Per bucket, its flat buffers (one per dtype, as pack() lays them out) as views of the uint8 `region`."""
+    """Per bucket, its flat buffers (one per dtype, as empty_buffers lays them out) as views of the uint8
+    `region`."""
     offsets, _ = region_layout(plan)
     out = []
     for bucket, starts in zip(plan, offsets):

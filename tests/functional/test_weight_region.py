@@ -36,8 +36,7 @@ def test_region_buckets_equal_the_export(ray_cluster, tiny_model_dir, layout, dt
     with Policy(cfg, cluster, path) as policy:
         expected = {k: v for bucket in policy.export_weights(0.05) for k, v in bucket.items()}
         info = policy.open_weight_region("region-test", 0.05, dtype)
-        _, nbytes = wt.region_layout(info["plan"])
-        region = wt.SharedRegion(info["path"], nbytes)  # mapped here before the policy removes the file
+        region = wt.SharedRegion(info["path"], wt.region_nbytes(info["plan"]))  # mapped here before the policy removes the file
         assert policy.attach_weight_region("region-test", info["host"], info["path"])  # every rank mapped it
         written = [policy.group.run_all("write_weight_bucket", "region-test", i)[0] for i in range(len(info["plan"]))]
         assert len(info["plan"]) > 3 and sum(written) == sum(s.nbytes for b in info["plan"] for s in b)

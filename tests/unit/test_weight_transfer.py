@@ -25,9 +25,16 @@ def mixed_bucket(seed: int) -> tuple[list[TensorSpec], dict[str, torch.Tensor]]:
     return [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], tensors
 
 
-def test_pack_unpack_round_trip_one_buffer_per_dtype():
+def packed(tensors: dict[str, torch.Tensor], bucket: list[TensorSpec]) -> list[torch.Tensor]:
+    """What a sender broadcasts: the bucket's tensors filled into its flat buffers."""
+    flats = wt.empty_buffers(bucket, torch.device("cpu"))
+    wt.fill(wt.unpack(flats, bucket), tensors, bucket)
+    return flats
+
+
+def test_fill_unpack_round_trip_one_buffer_per_dtype():
     bucket, tensors = mixed_bucket(0)
-    flats = wt.pack(tensors, bucket, torch.device("cpu"))
+    flats = packed(tensors, bucket)
     assert [f.dtype for f in flats] == [torch.float32, torch.bfloat16, torch.int64]  # first appearance
     assert [f.numel() for f in flats] == [12 + 1, 5, 4]
     assert sum(f.numel() * f.element_size() for f in flats) == sum(s.nbytes for s in bucket)
@@ -70,11 +77,18 @@ def test_shared_region_is_seen_by_a_second_mapping_and_outlives_its_file():
     assert other.tensor[:8].tolist() == [7] * 8 and not os.path.exists(region.path)
 
 
-def test_pack_names_a_tensor_that_does_not_match_the_plan():
+def test_fill_names_a_tensor_that_does_not_match_the_plan():
     bucket, tensors = mixed_bucket(0)
-    tensors["b.weight"] = tensors["b.weight"].float()
+    flats = wt.empty_buffers(bucket, torch.device("cpu"))
+    wrong_shape = dict(tensors, **{"b.weight": tensors["b.weight"][None]})  # copy_ alone would broadcast it
     with pytest.raises(ValueError, match="b.weight"):
-        wt.pack(tensors, bucket, torch.device("cpu"))
+        wt.fill(wt.unpack(flats, bucket), wrong_shape, bucket)
+    wrong_dtype = dict(tensors, **{"c.index": tensors["c.index"].float()})  # not a floating-point cast
+    with pytest.raises(ValueError, match="c.index"):
+        wt.fill(wt.unpack(flats, bucket), wrong_dtype, bucket)
+    cast = dict(tensors, **{"b.weight": tensors["b.weight"].float()})  # fp32 into the plan's bf16: cast
+    wt.fill(wt.unpack(flats, bucket), cast, bucket)
+    assert torch.equal(wt.unpack(flats, bucket)["b.weight"], tensors["b.weight"])
 
 
 class ListReceiver(WeightReceiver):
@@ -125,7 +139,7 @@ def test_broadcast_reaches_every_receiver_and_a_failed_load_does_not_stall_the_s
     def sender():
         group = wt.join_group("", 0, 0, 3, "gloo", TIMEOUT_S, store=store)
         for bucket, tensors in zip(plan, buckets):
-            wt.broadcast(group, wt.pack(tensors, bucket, torch.device("cpu")))
+            wt.broadcast(group, packed(tensors, bucket))
         return "sent"
 
     def receiver(r):
