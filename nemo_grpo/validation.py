@@ -165,15 +165,16 @@ def _validate_sequence_packing(p: PolicyConfig, prefix: str) -> None:
 
 
 def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "policy") -> None:
-    """The model's heads, KV heads, MLP width (and layers) split over the layout's tp (and pp): checked from its
-    config.json before any worker starts; a ConfigError names the layout key and the sizes."""
+    """The model's heads, KV heads, MLP width (and layers) split over the layout's tp (and pp), and Megatron builds
+    its RoPE: checked from its config.json before any worker starts; a ConfigError names the key and the sizes."""
     from transformers import AutoConfig
 
-    from nemo_grpo.models.spec import check_divisible
+    from nemo_grpo.models.spec import check_divisible, check_rope
 
     hf = AutoConfig.from_pretrained(model_path)
     if p.backend == "megatron":
         m, key = p.megatron_cfg, f"{prefix}.megatron_cfg."
+        check_rope(hf, f"{prefix}.model_name")
         check_divisible(hf, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                         key + "tensor_model_parallel_size", key + "pipeline_model_parallel_size")
     else:

@@ -32,7 +32,7 @@ def tiny_model_dir(tmp_path_factory):
     made = {}
 
     def make(arch="qwen2", scalar_head=False, **overrides):
-        key = (arch, scalar_head, tuple(sorted(overrides.items())))
+        key = (arch, scalar_head, repr(sorted(overrides.items())))  # (values may be dicts: rope_scaling)
         if key not in made:
             name = f"{arch}{'_rm' if scalar_head else ''}_{len(made)}"
             made[key] = save_tiny_model(str(root / name), arch=arch, scalar_head=scalar_head, **overrides)

@@ -19,6 +19,23 @@ SEQ_CLS = {"LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassific
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """An HF `rope_scaling` / `rope_parameters` the Megatron back end builds (MEGATRON_ROPE):
+      llama3  Llama 3.1+: frequencies below original_max_positions / low_freq_factor divided by factor, above
+              original_max_positions / high_freq_factor kept, smoothly blended between (Megatron's
+              RotaryEmbedding._apply_scaling, which HF's _compute_llama3_parameters matches)
+      linear  positions divided by factor (Megatron's seq_len_interpolation_factor)"""
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+
+MEGATRON_ROPE = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A decoder of one of the supported families, as both back ends and the planner see it (from its HF config)."""
     family: str  # llama | qwen2 | qwen3
@@ -41,14 +58,38 @@ class ModelSpec:
     # does through a tied output layer). SmolLM2's pad is its EOS, <|im_end|>, a token of every chat turn.
     padding_idx: Optional[int] = None
     transformer_engine: bool = False  # Megatron's TE layer spec: the pre-attention / pre-MLP norms live in the fused linears
+    rope_scaling: Optional[RopeScaling] = None  # None: plain RoPE (rope_type default)
 
 
-def _rope_theta(cfg, strict: bool = True) -> float:
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if strict and kind not in (None, "default"):
-        raise ValueError(f"megatron back end: rope_type '{kind}' is not supported (only default RoPE)")
-    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+def rope_parameters(cfg) -> dict:
+    """The HF config's RoPE parameters (transformers 5 `rope_parameters`, older `rope_scaling`), rope_type set."""
+    params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
+    params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    return params
+
+
+def check_rope(cfg, key: str = "policy.model_name") -> None:
+    """A RoPE scaling the Megatron back end does not build is a ConfigError naming the type and `key`."""
+    kind = rope_parameters(cfg)["rope_type"]
+    if kind not in MEGATRON_ROPE:
+        raise ConfigError(f"config key '{key}': the model's rope_type '{kind}' is not built by the megatron back end "
+                          f"(built: {', '.join(MEGATRON_ROPE)}); use policy.backend=dtensor, which runs any "
+                          f"RoPE Hugging Face does")
+
+
+def _rope_scaling(cfg, strict: bool, model_key: str) -> Optional[RopeScaling]:
+    """The RopeScaling of an HF config (None for plain RoPE, or for a type not built when strict is False)."""
+    params = rope_parameters(cfg)
+    kind = params["rope_type"]
+    if strict:
+        check_rope(cfg, model_key)
+    if kind == "llama3":
+        return RopeScaling(kind, float(params["factor"]), float(params["low_freq_factor"]),
+                           float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+    if kind == "linear":
+        return RopeScaling(kind, float(params["factor"]))
+    return None
 
 
 def check_divisible(cfg, tp: int, pp: int, tp_key: str, pp_key: Optional[str] = None) -> None:
@@ -91,9 +132,10 @@ def model_spec(cfg, tp: int = 1, pp: int = 1, scalar_head: bool = False,
         heads=heads, kv_heads=kv, head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         vocab=cfg.vocab_size, padded_vocab=-(-cfg.vocab_size // tp) * tp, qkv_bias=family == "qwen2",
         qk_norm=family == "qwen3", tied=bool(getattr(cfg, "tie_word_embeddings", False)) and not scalar_head,
-        scalar_head=scalar_head, rope_theta=_rope_theta(cfg, strict=not any_rope), eps=cfg.rms_norm_eps,
+        scalar_head=scalar_head, rope_theta=float(rope_parameters(cfg)["rope_theta"]), eps=cfg.rms_norm_eps,
         padding_idx=getattr(cfg, "pad_token_id", None),
-        max_positions=cfg.max_position_embeddings, transformer_engine=transformer_engine)
+        max_positions=cfg.max_position_embeddings, transformer_engine=transformer_engine,
+        rope_scaling=_rope_scaling(cfg, not any_rope, layout_key.rpartition(".")[0] + ".model_name"))
 
 
 @dataclass(frozen=True)

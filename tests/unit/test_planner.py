@@ -52,7 +52,8 @@ def test_tied_embedding_gets_a_copy_on_the_last_stage():
 
 
 @pytest.mark.parametrize("name,published", [("Meta-Llama-3-8B-Instruct", 8_030_261_248),
-                                            ("Meta-Llama-3-70B-Instruct", 70_553_706_496)])
+                                            ("Meta-Llama-3-70B-Instruct", 70_553_706_496),
+                                            ("Llama-3.3-70B-Instruct", 70_553_706_496)])
 def test_hf_meta_model_has_the_planned_parameters(name, published):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -94,8 +95,8 @@ print(json.dumps(counts))
 
 
 @pytest.mark.parametrize("name,tp,pp,head", [("Meta-Llama-3-8B-Instruct", 2, 1, False),  # grpo_math_8B_megatron
-                                             ("Meta-Llama-3-70B-Instruct", 8, 2, False),  # grpo_math_70B_megatron
-                                             ("Meta-Llama-3-70B-Reward-BT", 8, 2, True)])  # its reward model
+                                             ("Llama-3.3-70B-Instruct", 8, 2, False),  # grpo_math_70B_megatron
+                                             ("Llama-3.1-70B-Reward-BT", 8, 2, True)])  # grpo_rm_70B_megatron's RM
 def test_megatron_meta_model_has_the_planned_parameters(name, tp, pp, head):
     """Megatron-Core GPTModel chunks built on the meta device at world size tp x pp (a fake process group),
     one per pipeline stage: each has the planner's per-rank count."""
@@ -317,12 +318,19 @@ def test_vllm_without_room_for_a_sequence_is_rejected(capsys):
     assert "131.4 GiB of weights" in err
 
 
-def test_model_errors_name_the_key(capsys):
+def test_model_errors_name_the_key(capsys, tmp_path):
     megatron = os.path.join(ROOT, "configs", "grpo_math_8B_megatron.yaml")
-    assert plan_main(["--config", megatron, "policy.model_name=/models/Llama-3.1-8B-Instruct"]) == 2
-    assert "policy (/models/Llama-3.1-8B-Instruct): megatron back end: rope_type 'llama3'" in capsys.readouterr().err
+    assert plan_main(["--config", megatron, "policy.model_name=/models/Llama-3.1-8B-Instruct"]) == 0  # llama3 RoPE
+    yarn = tmp_path / "Qwen2.5-1.5B-yarn"  # Qwen's long-context recipe: YaRN, which Megatron's GPT does not build
+    yarn.mkdir()
+    (yarn / "config.json").write_text(json.dumps(dict(KNOWN_MODELS["qwen2.5-1.5b"], rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32768))))
+    capsys.readouterr()
+    assert plan_main(["--config", megatron, f"policy.model_name={yarn}"]) == 2
+    assert "'policy.model_name': the model's rope_type 'yarn' is not built by the megatron back end" \
+        in capsys.readouterr().err
     dtensor = os.path.join(ROOT, "configs", "grpo_math_8B_dtensor.yaml")  # any RoPE on DTensor
-    assert plan_main(["--config", dtensor, "policy.model_name=/models/Llama-3.1-8B-Instruct"]) == 0
+    assert plan_main(["--config", dtensor, f"policy.model_name={yarn}"]) == 0
     assert plan_main(["--config", megatron, "policy.model_name=/models/my-model"]) == 2
     assert "policy.model_name: '/models/my-model' has no config.json" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="tensor_model_parallel_size': 16 does not divide the model's "

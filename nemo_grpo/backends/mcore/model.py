@@ -78,12 +78,31 @@ def build_gpt(spec: ModelSpec, config) -> nn.Module:
         vocab_size=spec.padded_vocab, max_sequence_length=spec.max_positions,
         pre_process=ps.is_pipeline_first_stage(), post_process=post,
         share_embeddings_and_output_weights=spec.tied, position_embedding_type="rope",
-        rotary_base=int(spec.rope_theta), parallel_output=True)
+        rotary_base=int(spec.rope_theta), parallel_output=True,
+        seq_len_interpolation_factor=_linear_rope_factor(spec))
+    if spec.rope_scaling is not None and spec.rope_scaling.kind == "llama3":
+        _scale_llama3_frequencies(model, spec)
     if spec.scalar_head and post:
         model.output_layer = ScalarHead(spec.hidden, config.sequence_parallel, config.params_dtype)
     if spec.padding_idx is not None and model.pre_process:
         model.embedding.word_embeddings.register_forward_hook(_padding_row_without_lookup_grad(spec.padding_idx))
     return model
+
+
+def _linear_rope_factor(spec: ModelSpec):
+    """rope_type linear: Megatron's seq_len_interpolation_factor divides the positions by the factor."""
+    scaling = spec.rope_scaling
+    return scaling.factor if scaling is not None and scaling.kind == "linear" else None
+
+
+def _scale_llama3_frequencies(model: nn.Module, spec: ModelSpec) -> None:
+    """rope_type llama3: the rotary inverse frequencies [head_dim / 2] rescaled by Megatron-Core's own
+    RotaryEmbedding._apply_scaling with all four of the checkpoint's parameters (GPTModel's rope_scaling flag
+    passes only the factor and fixes the others at Llama 3.1's 1, 4, 8192; Llama 3.2 and tiny test models differ)."""
+    rotary, s = model.rotary_pos_emb, spec.rope_scaling
+    rotary.inv_freq = rotary._apply_scaling(rotary.inv_freq, factor=s.factor, low_freq_factor=s.low_freq_factor,
+                                            high_freq_factor=s.high_freq_factor,
+                                            original_max_position_embeddings=s.original_max_positions)
 
 
 def _padding_row_without_lookup_grad(padding_idx: int):
