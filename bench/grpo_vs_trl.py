@@ -2,10 +2,14 @@
 
     python bench/grpo_vs_trl.py --steps 30            # needs the bench extra: pip install -e '.[cpu,bench]'
     python bench/grpo_vs_trl.py --steps 30 --only torch trl
+    python bench/grpo_vs_trl.py --model builtin:smollm2-135m-instruct --prompts 4 --group 4 --max-new-tokens 64 \
+        --steps 6 --warmup 1 --only trl vllm async      # the real checkpoint: longer answers, compute dominates
 
-Same for every run: builtin:tiny-addition, the 100 additions "a+b=", 16 prompts x 8 samples per step, at most
-4 new tokens, temperature 1.0, AdamW lr 5e-4 (constant), max_grad_norm 0.2, no KL (beta 0), ratio clip 0.2,
-group-std advantages, reward = math-verify via nemo_grpo.envs.math_env.verify_answer, seed 42.
+Same for every run: builtin:tiny-addition (or --model), the 100 additions "a+b=" (through the model's chat
+template when it has a real one: SmolLM2's ChatML), 16 prompts x 8 samples per step, at most 4 new tokens
+(--prompts, --group, --max-new-tokens), temperature 1.0, AdamW lr 5e-4 (constant), max_grad_norm 0.2, no KL
+(beta 0), ratio clip 0.2, group-std advantages, reward = math-verify via nemo_grpo.envs.math_env.verify_answer,
+seed 42.
 Loss: ours is token-level (sum over the batch's tokens / global valid-token count); TRL's loss_type="dapo" is
 the same normalization (with one gradient-accumulation step "bnpo" would be too).
 Differences that stay: TRL generates with the training model in its own process (no refit, no separate
@@ -45,9 +49,9 @@ import time  # noqa: E402
 import torch  # noqa: E402
 from timing import median_seconds  # noqa: E402  (bench/timing.py)
 
-PROMPTS, GROUP, MAX_NEW, TEMPERATURE, LR, GRAD_NORM = 16, 8, 4, 1.0, 5e-4, 0.2
-SAMPLES = PROMPTS * GROUP
+TEMPERATURE, LR, GRAD_NORM = 1.0, 5e-4, 0.2
 MODEL = "builtin:tiny-addition"
+PROMPT_TOKENS = 48  # room for a chat template's system turn around "a+b="
 VERIFY_TIMEOUT_S, MAX_ANSWER_CHARS = 5.0, 2048  # env.math defaults
 
 
@@ -65,9 +69,12 @@ class RecordingRefitter:
 
 
 def nemo_overrides(engine: str, args, log_dir: str) -> list[str]:
-    return [f"policy.model_name={MODEL}", f"policy.generation.backend={engine}",
-            f"grpo.num_prompts_per_step={PROMPTS}", f"grpo.num_generations_per_prompt={GROUP}",
-            f"policy.train_global_batch_size={SAMPLES}", f"policy.generation.max_new_tokens={MAX_NEW}",
+    sizes = [] if args.model == MODEL else [f"data.max_input_seq_length={PROMPT_TOKENS}",
+                                            f"policy.max_total_sequence_length={PROMPT_TOKENS + args.max_new_tokens}"]
+    return sizes + [
+            f"policy.model_name={args.model}", f"policy.generation.backend={engine}",
+            f"grpo.num_prompts_per_step={args.prompts}", f"grpo.num_generations_per_prompt={args.group}",
+            f"policy.train_global_batch_size={args.samples}", f"policy.generation.max_new_tokens={args.max_new_tokens}",
             f"policy.generation.temperature={TEMPERATURE}", f"policy.optimizer.lr={LR}",
             f"policy.max_grad_norm={GRAD_NORM}", "loss_fn.reference_policy_kl_penalty=0",
             "loss_fn.token_level_loss=true", "grpo.normalize_rewards=true", f"grpo.max_num_steps={args.steps}",
@@ -105,7 +112,7 @@ def run_nemo(engine: str, args, asynchronous: bool = False) -> dict:
             history = trainer.run()
             seconds = [h["timing/total"] for h in history]
             sections = [{k.split("/", 1)[1]: v for k, v in h.items() if k.startswith("timing/")} for h in history]
-            tokens = [h["mean_response_length"] * SAMPLES for h in history]
+            tokens = [h["mean_response_length"] * args.samples for h in history]
             rewards = [h["reward"] for h in history]
         else:
             seconds, tokens, rewards, sections = [], [], [], []
@@ -114,7 +121,7 @@ def run_nemo(engine: str, args, asynchronous: bool = False) -> dict:
                 metrics = trainer.train_step()
                 seconds.append(time.perf_counter() - start)
                 sections.append(trainer.timer.get_timing_metrics())  # seconds per section of this step
-                tokens.append(metrics["mean_response_length"] * SAMPLES)
+                tokens.append(metrics["mean_response_length"] * args.samples)
                 rewards.append(metrics["reward"])
                 print(f"  [{engine}] step {step}: {seconds[-1]:.3f} s, reward {rewards[-1]:.3f}", flush=True)
         refits = trainer.refitter.stats[args.warmup:] or trainer.refitter.stats
@@ -152,13 +159,16 @@ def trl_child(args) -> None:
             self.seconds.append(now - self.last)
             self.last = now
 
-    path = resolve_model_path(MODEL, seed=0)
+    path = resolve_model_path(args.model, seed=0)
     problems = addition_problems()
-    ds = Dataset.from_dict({"prompt": [p["problem"] for p in problems], "answer": [p["answer"] for p in problems]})
+    prompts = [p["problem"] if args.model == MODEL else [{"role": "user", "content": p["problem"]}]
+               for p in problems]  # a real checkpoint: conversational, so TRL applies its chat template as we do
+    ds = Dataset.from_dict({"prompt": prompts, "answer": [p["answer"] for p in problems]})
     out_dir = tempfile.mkdtemp(prefix="bench_trl_")
     cfg = GRPOConfig(output_dir=out_dir, use_cpu=True, bf16=False, learning_rate=LR, lr_scheduler_type="constant",
-                     weight_decay=0.0, max_grad_norm=GRAD_NORM, per_device_train_batch_size=SAMPLES,
-                     gradient_accumulation_steps=1, num_generations=GROUP, max_completion_length=MAX_NEW,
+                     weight_decay=0.0, max_grad_norm=GRAD_NORM, per_device_train_batch_size=args.samples,
+                     gradient_accumulation_steps=1, num_generations=args.group,
+                     max_completion_length=args.max_new_tokens,
                      temperature=TEMPERATURE, top_p=1.0, beta=0.0, epsilon=0.2, loss_type="dapo",
                      scale_rewards="group", num_iterations=1, max_steps=args.steps, logging_steps=1,
                      report_to="none", save_strategy="no", seed=args.seed, data_seed=args.seed, disable_tqdm=True,
@@ -169,7 +179,8 @@ def trl_child(args) -> None:
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     result = {"seconds": clock.seconds, "rewards": [h["reward"] for h in logs],
-              "tokens": [h["completions/mean_length"] * SAMPLES for h in logs], "trl": __import__("trl").__version__,
+              "tokens": [h["completions/mean_length"] * args.samples for h in logs],
+              "trl": __import__("trl").__version__,
               "threads": torch.get_num_threads()}
     with open(args.trl_out, "w") as f:
         json.dump(result, f)
@@ -186,7 +197,8 @@ def run_trl(args) -> dict | None:
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--seed", str(args.seed),
-           "--trl-out", out]
+           "--model", args.model, "--prompts", str(args.prompts), "--group", str(args.group),
+           "--max-new-tokens", str(args.max_new_tokens), "--trl-out", out]
     try:
         proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
                               capture_output=True, text=True)
@@ -211,7 +223,8 @@ def summarize(result: dict, warmup: int) -> dict[str, float]:
 def print_table(results: dict[str, dict], args) -> None:
     rows = {name: summarize(r, args.warmup) for name, r in results.items()}
     ref = rows.get("TRL GRPOTrainer")
-    print(f"\n{args.steps} steps of {PROMPTS} prompts x {GROUP} samples, <= {MAX_NEW} new tokens; s/step = median "
+    print(f"\n{args.model}: {args.steps} steps of {args.prompts} prompts x {args.group} samples, <= "
+          f"{args.max_new_tokens} new tokens; s/step = median "
           f"after {args.warmup} warm-up steps; reward = mean of the last 10 steps; 1 torch thread per process; "
           f"nemo_grpo with {args.policy_ranks} policy rank(s); shared CPU: figures are noisy")
     head = f"{'run':28s} {'s/step':>8s} {'tok/s':>8s} {'reward':>7s}"
@@ -246,11 +259,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the s/step median and tok/s")
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--model", default=MODEL, help="builtin:smollm2-135m-instruct: the real checkpoint")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    ap.add_argument("--group", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--policy-ranks", type=int, default=2, help="DTensor policy processes (default recipe: 2)")
     ap.add_argument("--only", nargs="+", choices=["vllm", "torch", "trl", "async"],
                     default=["vllm", "torch", "trl", "async"], help="async: nemo_grpo async GRPO, vLLM engine")
     ap.add_argument("--trl-out", help=argparse.SUPPRESS)  # internal: run as the TRL subprocess
     args = ap.parse_args()
+    args.samples = args.prompts * args.group
     torch.set_num_threads(1)
     if args.trl_out:
         return trl_child(args)
