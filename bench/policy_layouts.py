@@ -2,6 +2,7 @@
 
     python bench/policy_layouts.py                 # Megatron TP=1, TP=2, PP=2, DP=2 and DTensor DP=2, TP=2
     python bench/policy_layouts.py --only megatron:tp1 megatron:pp2 --repeats 5
+    python bench/policy_layouts.py --attention     # Megatron core attention: unfused vs SDPA at 512 and 2,048 tokens
 
 The model: a Qwen2 of hidden 512, 6 layers, 8 heads of 64, FFN 1536 (20.4M parameters without the tiny
 vocabulary), random weights, fp32. One `policy.train` call = one optimizer step over --batch sequences of
@@ -9,6 +10,12 @@ vocabulary), random weights, fp32. One `policy.train` call = one optimizer step 
 time of --repeats calls after one warm-up, measured at the driver (Ray dispatch included, a few ms), with
 the training tokens per second. Every worker runs one torch thread; on 2 cores the 2-process layouts pay for
 gloo collectives that a GPU would not, so read the ratios as this machine's, not a GPU's.
+
+--attention: the same model's Megatron-Core GPTModel (TP=1, local spec) with each core attention
+(policy.megatron_cfg.attention_backend: Megatron's unfused DotProductAttention, or SDPA), forward + backward of
+2,048 tokens per call (4 x 512 or 1 x 2,048) in a fresh process each: tokens/s (median of --repeats after a
+warm-up) and the peak memory above the built model: torch.cuda.max_memory_allocated on a GPU, the process's
+peak resident set (ru_maxrss) less its resident set before the first call on a CPU.
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 import torch  # noqa: E402
@@ -34,7 +44,7 @@ LAYOUTS = {  # name -> (backend, world size, policy overrides)
     "dtensor:tp2": ("dtensor", 2, {"tensor_parallel_size": 2}),
 }
 MODEL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
-             num_key_value_heads=8, head_dim=64, max_position_embeddings=1024)
+             num_key_value_heads=8, head_dim=64, max_position_embeddings=2048)
 
 
 class MeanLogprobLoss:
@@ -78,6 +88,83 @@ def time_layout(name: str, path: str, args) -> dict:
     return {"seconds": s, "tok_per_s": args.batch * args.seq_len / s, "world": world}
 
 
+ATTENTION_CHILD = r"""
+import json, resource, sys, time, torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+attention, batch, seq_len, repeats, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), \
+    json.loads(sys.argv[5])
+cuda = torch.cuda.is_available()
+dist.init_process_group("nccl" if cuda else "gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+from types import SimpleNamespace
+from megatron.core import parallel_state as ps, tensor_parallel
+from transformers import Qwen2Config
+from nemo_grpo.backends.mcore import model as mmodel, shim
+from nemo_grpo.models.spec import model_spec
+shim.apply()
+with shim.device_context():
+    ps.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+spec = model_spec(Qwen2Config(vocab_size=1000, **model, architectures=["Qwen2ForCausalLM"]))
+layout = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
+                         activation_checkpointing=False)
+dtype = torch.bfloat16 if cuda else torch.float32
+with shim.device_context():
+    gpt = mmodel.build_gpt(spec, mmodel.transformer_config(spec, layout, dtype), attention)
+device = "cuda" if cuda else "cpu"
+gpt = gpt.to(device)
+for p in gpt.parameters():
+    torch.nn.init.normal_(p, std=0.02)
+ids = torch.randint(0, 1000, (batch, seq_len), device=device)
+pos = torch.arange(seq_len, device=device)[None].expand(batch, seq_len)
+def step():
+    gpt(input_ids=ids, position_ids=pos, attention_mask=None).float().mean().backward()
+    if cuda:
+        torch.cuda.synchronize()
+rss_before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+if cuda:
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+step()
+peak = torch.cuda.max_memory_allocated() - base if cuda else \
+    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+times = []
+for _ in range(repeats):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+print(json.dumps({"seconds": sorted(times)[len(times) // 2], "peak": peak, "device": device,
+                  "dtype": str(dtype)}))
+"""
+
+
+def attention_table(args) -> None:
+    """Unfused vs SDPA core attention at 512 and 2,048 tokens per sequence (2,048 tokens per call), one fresh
+    process per cell: tokens/s and peak memory, SDPA's ratios to unfused."""
+    rows = []
+    for batch, seq_len in ((4, 512), (1, 2048)):
+        cells = {}
+        for attention in ("unfused", "sdpa"):
+            proc = subprocess.run([sys.executable, "-c", ATTENTION_CHILD, attention, str(batch), str(seq_len),
+                                   str(args.repeats), json.dumps(MODEL)], capture_output=True, text=True,
+                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+            if proc.returncode:
+                raise SystemExit(f"{attention} at {seq_len} tokens failed:\n{proc.stderr[-3000:]}")
+            cells[attention] = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(f"  {attention} {batch} x {seq_len}: {cells[attention]['seconds']:.3f} s", flush=True)
+        rows.append((batch, seq_len, cells))
+    cell = rows[0][2]["sdpa"]
+    print(f"\nMegatron-Core GPTModel TP=1 (the Qwen2 above), {cell['dtype']} on "
+          f"{cell['device']}: forward + backward of 2,048 tokens; median of {args.repeats} after a warm-up")
+    print(f"{'seq len':>7s} {'attention':>9s} {'s/call':>8s} {'tok/s':>8s} {'peak MiB':>9s} {'tok/s vs unfused':>17s} "
+          f"{'peak vs unfused':>16s}")
+    for batch, seq_len, cells in rows:
+        for name, c in cells.items():
+            ref = cells["unfused"]
+            print(f"{seq_len:7d} {name:>9s} {c['seconds']:8.3f} {batch * seq_len / c['seconds']:8.0f} "
+                  f"{c['peak'] / 2**20:9.0f} {ref['seconds'] / c['seconds']:16.2f}x {c['peak'] / ref['peak']:15.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="+", choices=sorted(LAYOUTS), default=list(LAYOUTS))
@@ -85,8 +172,11 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=4, help="micro-batch per rank (DP layouts: half of it)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--attention", action="store_true", help="only the unfused vs SDPA core-attention table")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.attention:
+        return attention_table(args)
 
     import ray
 

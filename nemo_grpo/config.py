@@ -51,6 +51,9 @@ class MegatronConfig:
     use_distributed_optimizer: bool = False  # optimizer state sharded over the data-parallel ranks (ZeRO-1)
     activation_checkpointing: bool = False  # full recomputation of every layer in the backward pass
     layer_spec: str = "local"  # local (torch modules) | transformer_engine (needs Transformer Engine)
+    # core attention of the local spec: sdpa (torch's scaled_dot_product_attention: flash / memory-efficient
+    # kernels, no [s, s] scores kept) | unfused (Megatron's DotProductAttention); TE's spec has its own
+    attention_backend: str = "sdpa"
 
 
 @dataclass

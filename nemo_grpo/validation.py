@@ -130,6 +130,7 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy") -> Non
         _need(m.context_parallel_size == 1, key + "context_parallel_size",
               f"got {m.context_parallel_size}; context parallelism is not built yet: only 1 is supported")
         _choice(m.layer_spec, key + "layer_spec", ["local", "transformer_engine"])
+        _choice(m.attention_backend, key + "attention_backend", ["sdpa", "unfused"])
         _need(m.layer_spec == "local" or importlib.util.find_spec("transformer_engine") is not None,
               key + "layer_spec", "transformer_engine needs Transformer Engine installed (the gpu extra); use local")
 

@@ -6,6 +6,8 @@ back ends run (tests/unit/test_planner.py re-measures them on small models and a
   hf_eager  Hugging Face decoder layer, eager attention (scores and probabilities kept, K/V repeated per head)
   megatron  Megatron-Core local layer spec (unfused attention: scores kept, K/V repeated per head; its
             RMSNorms keep fp32 copies; rotary tables and the causal mask per layer)
+  megatron_sdpa  the local spec with SDPA core attention (the default: no [s, s] terms; the fused qkv output,
+            rotated q and k, the attention output and its log-sum-exp kept, K/V not repeated)
   megatron_te  Transformer Engine layer spec (flash attention; not measurable here: `megatron` without the
             [s, s] terms, plus the softmax log-sum-exp)
 Notation: h hidden, f ffn, q = heads x head_dim, kv = kv_heads x head_dim, a heads, s sequence length,
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from nemo_grpo.models.spec import ModelSpec
 
-IMPLEMENTATIONS = ("hf", "hf_eager", "megatron", "megatron_te")
+IMPLEMENTATIONS = ("hf", "hf_eager", "megatron", "megatron_sdpa", "megatron_te")
 
 
 def layer_bytes_per_token(spec: ModelSpec, impl: str, dtype_bytes: int, seq_len: int, tp: int = 1,
@@ -34,11 +36,14 @@ def layer_bytes_per_token(spec: ModelSpec, impl: str, dtype_bytes: int, seq_len:
         else:
             split = b * (4 * f + 4 * q) + a * s * (6 if lowp else 4)  # k, v repeated; fp32 (+bf16) probs
         return hidden + split / tp
-    if impl in ("megatron", "megatron_te"):
+    if impl in ("megatron", "megatron_sdpa", "megatron_te"):
         hidden = 16 * h + 8 + 2 * b * h  # 2 x fp32 (norm input, normed) + rsqrt; qkv and fc1 inputs
         if impl == "megatron":
             split = b * (4 * q + 5 * f) + a * s * (6 if lowp else 4)  # proj in, q, k, v; fc1 out x2, ...
             per_layer = 4 * spec.head_dim * b * s + s * s  # rotary tables (x4) and the bool causal mask
+        elif impl == "megatron_sdpa":
+            split = b * (3 * q + 3 * kv + 5 * f) + 4 * a  # qkv out, rotated q and k, out, proj in; lse (fp32)
+            per_layer = 4 * spec.head_dim * b * s
         else:
             split = b * (4 * q + 5 * f) + 4 * a
             per_layer = 4 * spec.head_dim * b * s

@@ -187,7 +187,8 @@ def megatron_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], di
     m = p.megatron_cfg
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     dp, b = world // (tp * pp), DTYPE_BYTES[p.precision]
-    impl = "megatron_te" if m.layer_spec == "transformer_engine" else "megatron"
+    impl = "megatron_te" if m.layer_spec == "transformer_engine" else \
+        "megatron_sdpa" if m.attention_backend == "sdpa" else "megatron"
     sp = bool(m.sequence_parallel and tp > 1)
     devices, host = [], {}
     for stage in range(pp):

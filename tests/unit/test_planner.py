@@ -164,13 +164,13 @@ with shim.device_context():
     tensor_parallel.model_parallel_cuda_manual_seed(1)
 layout = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
                          activation_checkpointing=False)
-small = json.loads(__import__("sys").argv[1])
+small, attention = json.loads(__import__("sys").argv[1]), __import__("sys").argv[2]
 out = {}
 for dtype in (torch.float32, torch.bfloat16):
     for layers in (1, 2):
         spec = model_spec(LlamaConfig(**dict(small, num_hidden_layers=layers), architectures=["LlamaForCausalLM"]))
         with shim.device_context():
-            model = mmodel.build_gpt(spec, mmodel.transformer_config(spec, layout, dtype))
+            model = mmodel.build_gpt(spec, mmodel.transformer_config(spec, layout, dtype), attention)
             for p in model.parameters():
                 torch.nn.init.normal_(p, std=0.02)
             params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -187,16 +187,18 @@ print(json.dumps(out))
 """
 
 
-def test_megatron_layer_activations_match_autograd():
-    """The Megatron-Core local layer spec (the CPU-measurable one), fp32 and bf16, at TP 1."""
-    proc = subprocess.run([sys.executable, "-c", MEGATRON_ACTIVATIONS, json.dumps(SMALL)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
+@pytest.mark.parametrize("attention,impl", [("unfused", "megatron"), ("sdpa", "megatron_sdpa")])
+def test_megatron_layer_activations_match_autograd(attention, impl):
+    """The Megatron-Core local layer spec (the CPU-measurable one) with either core attention, fp32 and bf16, TP 1."""
+    proc = subprocess.run([sys.executable, "-c", MEGATRON_ACTIVATIONS, json.dumps(SMALL), attention],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = json.loads(proc.stdout.strip().splitlines()[-1])
     spec = decoder_spec(_llama(), False)
     for dtype, nbytes in ((torch.float32, 4), (torch.bfloat16, 2)):
         per_layer = saved[f"{dtype}-2"] - saved[f"{dtype}-1"]
-        planned = act.layer_bytes_per_token(spec, "megatron", nbytes, 64, seqs_per_micro_batch=2) * 2 * 64
+        planned = act.layer_bytes_per_token(spec, impl, nbytes, 64, seqs_per_micro_batch=2) * 2 * 64
+        print(f"{attention} {dtype}: saved {per_layer} bytes per layer, planned {planned:.0f}")
         assert per_layer == pytest.approx(planned, rel=0.01), dtype
 
 
@@ -223,7 +225,7 @@ def test_megatron_figures_by_hand(small_model_dir):
     n0 = (256 + 128 + 128) * 256 // 2 + 256 * 256 // 2 + 3 * 512 * 256 // 2 + 2 * 256 + 1000 * 256 // 2
     stage0, stage1 = _rows(memory, 0, 0, "training"), _rows(memory, 0, 1, "training")
     spec = decoder_spec(_llama(), False, 2, 2)
-    per_token = act.layer_bytes_per_token(spec, "megatron", 2, 64, tp=2, sequence_parallel=True,
+    per_token = act.layer_bytes_per_token(spec, "megatron_sdpa", 2, 64, tp=2, sequence_parallel=True,
                                           seqs_per_micro_batch=2)
     assert stage0 == {"parameters (bfloat16)": 2 * n0, "fp32 master weights": 4 * n0, "gradients (fp32)": 4 * n0,
                       "optimizer state (adamw: 2 x fp32 / dp 2)": 2 * 4 * n0 / 2,
@@ -246,7 +248,7 @@ def test_packing_counts_a_micro_batch_by_its_token_budget(small_model_dir):
         "policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=160",
         "policy.sequence_packing.logprob_mb_tokens=256"])
     spec = decoder_spec(_llama(), False, 2, 2)
-    per_token = act.layer_bytes_per_token(spec, "megatron", 2, 160, tp=2, sequence_parallel=True)
+    per_token = act.layer_bytes_per_token(spec, "megatron_sdpa", 2, 160, tp=2, sequence_parallel=True)
     mask = 160 * 160 * (1 + 2)
     stage0, stage1 = _rows(memory, 0, 0, "training"), _rows(memory, 0, 1, "training")
     assert stage0["activations (1 packed row of 160 tok)"] == 2 * (160 * per_token + mask)  # 2 in flight
@@ -254,7 +256,7 @@ def test_packing_counts_a_micro_batch_by_its_token_budget(small_model_dir):
     assert stage1["logits"] == 160 * 500 * (2 + 4 + 4)
     forward = _rows(memory, 0, 1, "log-prob forward")
     assert forward["forward working set (1 packed row of 256 tok)"] == \
-        act.layer_bytes_per_token(spec, "megatron", 2, 256, tp=2, sequence_parallel=True) * 256
+        act.layer_bytes_per_token(spec, "megatron_sdpa", 2, 256, tp=2, sequence_parallel=True) * 256
     assert forward["packing mask"] == 256 * 256 * 3
     assert "min(2 - k, 4 micro-batches)" in " ".join(memory.roles[0].notes)
 

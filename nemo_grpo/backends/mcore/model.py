@@ -59,8 +59,9 @@ def transformer_config(spec: ModelSpec, mcfg, dtype: torch.dtype):
         **recompute)
 
 
-def build_gpt(spec: ModelSpec, config) -> nn.Module:
-    """The GPTModel chunk of this rank's pipeline stage (scalar head on the last stage when spec.scalar_head)."""
+def build_gpt(spec: ModelSpec, config, attention: str = "sdpa") -> nn.Module:
+    """The GPTModel chunk of this rank's pipeline stage (scalar head on the last stage when spec.scalar_head).
+    attention: the local spec's core attention, sdpa (attention.SDPAttention) or unfused (Megatron's own)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -72,6 +73,10 @@ def build_gpt(spec: ModelSpec, config) -> nn.Module:
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     else:
         layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+        if attention == "sdpa":
+            from nemo_grpo.backends.mcore.attention import SDPAttention
+
+            layer_spec.submodules.self_attention.submodules.core_attention = SDPAttention
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

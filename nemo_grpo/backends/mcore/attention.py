@@ -1,0 +1,59 @@
+"""Core attention for Megatron's local layer spec through `torch.nn.functional.scaled_dot_product_attention`.
+
+Megatron-Core's local `DotProductAttention` materialises the [b, heads, s, s] scores (baddbmm, masked softmax,
+bmm); SDPA picks a fused kernel instead: flash or memory-efficient on GPUs, a fused CPU kernel here. It is the
+default core attention where Transformer Engine is absent (`policy.megatron_cfg.attention_backend`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in for megatron.core.transformer.dot_product_attention.DotProductAttention (same constructor and
+    forward): query [sq, b, np, hn], key and value [sk, b, ng, hn] (ng KV groups of this TP rank) ->
+    context [sq, b, np * hn]. attention_mask: None (causal) or Megatron's convention, True where a query may
+    NOT attend ([b or 1, 1, sq, sk]; our packed rows' block-diagonal causal mask)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__(config=config)
+        unsupported = {"context_parallel_size": config.context_parallel_size != 1,
+                       "window_size": config.window_size is not None,
+                       "softmax_type": config.softmax_type != "vanilla",
+                       "apply_query_key_layer_scaling": config.apply_query_key_layer_scaling}
+        if any(unsupported.values()):
+            raise ValueError(f"SDPA core attention does not implement {[k for k, v in unsupported.items() if v]}; "
+                             f"set policy.megatron_cfg.attention_backend=unfused")
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp = pg_collection.tp.size()
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        self.head_dim = config.kv_channels
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPA core attention takes neither packed_seq_params (THD) nor an attention bias")
+        sq, b = query.shape[:2]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads or groups, s, hn]
+        causal = attention_mask is None and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        context = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
+            dropout_p=self.dropout if self.training else 0.0, is_causal=causal and sq > 1,
+            scale=self.softmax_scale, enable_gqa=self.heads != self.groups)  # [b, np, sq, hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
