@@ -6,7 +6,6 @@ The rest of the Megatron suite runs SDPA against Hugging Face.
 """
 
 import pytest
-import torch
 from policy_checks import TokenPGLoss, export_state, make_batch
 from test_mcore_policy import MODELS, megatron_policy
 
