@@ -42,13 +42,24 @@ class DTensorConfig:
 
 
 @dataclass
+class DistributedDataParallelConfig:
+    """policy.megatron_cfg.distributed_data_parallel_config (NeMo RL's keys), used with use_distributed_optimizer."""
+    overlap_grad_reduce: bool = True  # reduce-scatter each gradient bucket as soon as the backward fills it
+    grad_reduce_in_fp32: bool = True  # bf16 models: accumulate and reduce the gradients in fp32
+
+
+@dataclass
 class MegatronConfig:
     """policy.megatron_cfg: the Megatron-Core back end's layout (world size = tp x pp x dp)."""
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1  # must divide the model's num_hidden_layers
     sequence_parallel: bool = False  # with tp > 1: activations outside attention/MLP split along the sequence
     context_parallel_size: int = 1  # only 1 is supported so far (rejected otherwise, with a message)
-    use_distributed_optimizer: bool = False  # optimizer state sharded over the data-parallel ranks (ZeRO-1)
+    # Megatron-Core's DistributedOptimizer: fp32 main weights and optimizer state sharded over the data-parallel
+    # ranks, gradients reduce-scattered by its DistributedDataParallel (distributed_data_parallel_config)
+    use_distributed_optimizer: bool = False
+    distributed_data_parallel_config: DistributedDataParallelConfig = field(
+        default_factory=DistributedDataParallelConfig)
     activation_checkpointing: bool = False  # full recomputation of every layer in the backward pass
     layer_spec: str = "local"  # local (torch modules) | transformer_engine (needs Transformer Engine)
     # core attention of the local spec: sdpa (torch's scaled_dot_product_attention: flash / memory-efficient

@@ -153,17 +153,12 @@ class PolicyWorker(WeightSender, ABC):
         if self.device.type == "cuda":
             self._move(self.device)
 
-    @property
-    def _local_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer that holds this rank's state: itself, or the local one of a sharded (ZeRO) wrapper."""
-        return getattr(self.optimizer, "optim", self.optimizer)
-
     def _move(self, device: torch.device) -> None:
         self.model.to(device)
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.data = p.data.to(device)
-        for state in self._local_optimizer.state.values():
+        for state in self.optimizer.state.values():
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and k != "step":
                     state[k] = v.to(device)

@@ -4,8 +4,9 @@ with the numbers. Arithmetic on the config and the models' HF configs (planning/
 What each back end keeps, read off nemo_grpo/backends/:
   megatron   per pipeline stage: parameters in the precision; in bf16 fp32 master copies (made also for a
              scoring-only reward model); fp32 gradients of the main parameters; optimizer state (Adam: two fp32
-             moments), / dp with use_distributed_optimizer (ZeRO-1); 1F1B keeps min(pp - stage, micro-batches)
-             micro-batches of activations on a stage.
+             moments); masters and moments / dp with use_distributed_optimizer (Megatron's DistributedOptimizer,
+             whose DDP gradient buffer stays whole); 1F1B keeps min(pp - stage, micro-batches) micro-batches of
+             activations on a stage.
   dtensor    FSDP2: fp32 parameters, gradients and optimizer state sharded over dp (linear weights split over
              tp first); the largest unit all-gathered in the compute dtype, x2 (the next one is prefetched); the
              full fp32 model sits on every GPU while loading, before it is sharded.
@@ -196,12 +197,14 @@ def megatron_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], di
         last = stage == pp - 1
         vocab = spec.padded_vocab // tp if last and not spec.scalar_head else 0
         state = {f"parameters ({p.precision})": n * b}
+        shards = dp if m.use_distributed_optimizer else 1  # Megatron's DistributedOptimizer: masters and state
         if b == 2:
-            state["fp32 master weights"] = n * 4.0
+            state["fp32 master weights" + (f" / dp {shards}" if shards > 1 else "")] = n * 4.0 / shards
         phases = {}
         if w.training:
-            train = dict(state, **{"gradients (fp32)": n * 4.0})
-            train.update([_optimizer_row(p, n, dp if m.use_distributed_optimizer else 1),
+            grad_bytes = 4 if b == 4 or not shards > 1 or m.distributed_data_parallel_config.grad_reduce_in_fp32 else b
+            train = dict(state, **{f"gradients ({'fp32' if grad_bytes == 4 else p.precision})": n * grad_bytes})
+            train.update([_optimizer_row(p, n, shards),
                           _activation_row(spec, impl, b, w, tp, sp, spec.num_layers // pp,
                                           min(pp - stage, w.micro_batches), m.activation_checkpointing)])
             if vocab:
@@ -210,7 +213,7 @@ def megatron_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], di
         phases["log-prob forward" if w.training else "scoring"] = dict(
             state, **_forward_rows(spec, impl, b, w, tp, sp, vocab))
         devices.append(Device(f"stage {stage}" if pp > 1 else "every rank", phases))
-        optimizer = _optimizer_row(p, n, dp if m.use_distributed_optimizer else 1)[1]
+        optimizer = _optimizer_row(p, n, shards)[1]
         host = max(host, _host_rows(w, weights=n * b, state=sum(state.values()) + optimizer),
                    key=lambda h: sum(h.values()))
     return devices, host

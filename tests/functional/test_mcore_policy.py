@@ -125,12 +125,20 @@ def test_train_matches_single_process(ray_cluster, tiny_model_dir, arch, layout,
         assert set(merged) == set(load_hf(path).state_dict())
 
 
-def test_sharded_optimizer_step_and_checkpoint(ray_cluster, tiny_model_dir, tmp_path):
-    """use_distributed_optimizer (ZeRO-1 over DP=2): the single-process step; its checkpoint (Adam moments
-    gathered from both DP ranks) resumes at TP=1 in one process and takes the same next step."""
-    path = tiny_model_dir("llama", **MODELS["llama"])
+# ---------------------------------------------------------------------------------------------- distributed optimizer
+FOUR = ClusterConfig(gpus_per_node=4, num_nodes=1, num_threads_per_worker=1)
+DISTOPT = {"megatron_cfg.use_distributed_optimizer": True}  # distributed_data_parallel_config.overlap_grad_reduce on
+
+
+def test_distributed_optimizer_step_and_checkpoint(ray_cluster, tiny_model_dir, tmp_path):
+    """Megatron-Core's DistributedDataParallel (gradient buckets reduce-scattered over DP while the backward runs)
+    and DistributedOptimizer (main weights and Adam moments of each DP rank's shard) at TP=2 with SP x DP=2 on
+    Qwen3 (q/k norms and SP norms summed over TP): the single-process step; its checkpoint (moments gathered from
+    the shards) resumes at TP=1 in one process and takes the same next step."""
+    path = tiny_model_dir("qwen3", **MODELS["qwen3"])
     batch, ckpt = make_batch(4, seed=9), str(tmp_path / "ckpt")
-    with megatron_policy(path, "dp2_zero") as policy:
+    overrides = {"megatron_cfg.tensor_model_parallel_size": 2, "megatron_cfg.sequence_parallel": True, **DISTOPT}
+    with Policy(policy_config(path, backend="megatron", **overrides), FOUR, path) as policy:
         assert_trained_logprobs_match(policy, path, batch)
         policy.save_checkpoint(ckpt)
         saved_lp = policy.get_logprobs(batch)
@@ -141,6 +149,16 @@ def test_sharded_optimizer_step_and_checkpoint(ray_cluster, tiny_model_dir, tmp_
         assert (single.get_logprobs(batch) - saved_lp).abs().max().item() <= 1e-5
         single.train(batch, TokenPGLoss())
         assert (single.get_logprobs(batch) - after_lp).abs().max().item() <= 1e-5
+
+
+def test_distributed_optimizer_bf16_pipeline(ray_cluster, tiny_model_dir):
+    """bf16 parameters with the distributed optimizer's fp32 main shards, made from the checkpoint's fp32
+    tensors (exported exactly), at PP=2 x DP=2 (1F1B, the DP reduction started after the last micro-batch)."""
+    path = tiny_model_dir("llama", **MODELS["llama"])
+    overrides = {"megatron_cfg.pipeline_model_parallel_size": 2, "precision": "bfloat16", **DISTOPT}
+    with Policy(policy_config(path, backend="megatron", **overrides), FOUR, path) as policy:
+        assert max_diff(export_state(policy), load_hf(path).state_dict()) == 0.0
+        check_bf16_step(policy, path, make_batch(4, seed=10))
 
 
 @pytest.mark.parametrize("arch,layout", [("llama", "tp1"), ("llama", "tp2"), ("llama", "pp2"), ("qwen2", "tp1"),

@@ -188,3 +188,18 @@ def test_non_utf8_recipe_is_named_with_its_line(tmp_path):
     recipe.write_bytes("grpo:\n  max_num_steps: 3\n# caf\xe9\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=f"--config: {recipe}:3: not UTF-8 text"):
         load_config(str(recipe))
+
+
+def test_overlapped_reduction_of_a_tied_embedding_over_stages_is_rejected(tiny_model_dir):
+    """The tied embedding's gradient is summed over the first and last stages before the distributed optimizer's
+    data-parallel reduce-scatter, which overlap_grad_reduce would already have started."""
+    from nemo_grpo.config import PolicyConfig
+    from nemo_grpo.validation import validate_model_layout
+
+    path = tiny_model_dir("qwen2")  # tied embeddings
+    p = PolicyConfig(model_name=path, backend="megatron")
+    p.megatron_cfg.pipeline_model_parallel_size, p.megatron_cfg.use_distributed_optimizer = 2, True
+    with pytest.raises(ConfigError, match="distributed_data_parallel_config.overlap_grad_reduce': the model ties"):
+        validate_model_layout(p, path)
+    p.megatron_cfg.distributed_data_parallel_config.overlap_grad_reduce = False
+    validate_model_layout(p, path)

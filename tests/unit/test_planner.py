@@ -215,7 +215,8 @@ def _rows(memory, role: int, device: int, phase: str) -> dict:
 
 
 def test_megatron_figures_by_hand(small_model_dir):
-    """TP 2 x PP 2 x DP 2, bf16, Adam sharded over DP, 4 micro-batches of 2 x 64 tokens per step."""
+    """TP 2 x PP 2 x DP 2, bf16, masters and Adam sharded over DP (Megatron's DistributedOptimizer), 4 micro-batches
+    of 2 x 64 tokens per step."""
     _, _, memory = plan_recipe(None, [
         f"policy.model_name={small_model_dir}", "policy.backend=megatron", "policy.precision=bfloat16",
         "policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.pipeline_model_parallel_size=2",
@@ -227,7 +228,8 @@ def test_megatron_figures_by_hand(small_model_dir):
     spec = decoder_spec(_llama(), False, 2, 2)
     per_token = act.layer_bytes_per_token(spec, "megatron_sdpa", 2, 64, tp=2, sequence_parallel=True,
                                           seqs_per_micro_batch=2)
-    assert stage0 == {"parameters (bfloat16)": 2 * n0, "fp32 master weights": 4 * n0, "gradients (fp32)": 4 * n0,
+    assert stage0 == {"parameters (bfloat16)": 2 * n0, "fp32 master weights / dp 2": 4 * n0 / 2,
+                      "gradients (fp32)": 4 * n0,
                       "optimizer state (adamw: 2 x fp32 / dp 2)": 2 * 4 * n0 / 2,
                       "activations (2 x 64 tok)": 2 * 1 * 128 * per_token,  # 2 micro-batches in flight, 1 layer
                       "runtime reserve": RUNTIME_RESERVE_GIB * GIB}
@@ -309,7 +311,7 @@ def test_a_layout_that_does_not_fit_is_rejected_with_its_numbers(capsys):
     err = capsys.readouterr().err
     assert "does not fit: policy (megatron TP 2 x PP 1 x DP 32" in err
     assert "training needs" in err and "GiB per GPU > cluster.gpu_memory_gib 79.6" in err
-    assert "fp32 master weights 131.4" in err  # 70.55e9 / 2 x 4 bytes = 141.1e9 bytes
+    assert "fp32 master weights / dp 32 4.1" in err  # 70.55e9 / 2 (TP) x 4 bytes / 32 (distributed optimizer)
 
 
 def test_vllm_without_room_for_a_sequence_is_rejected(capsys):

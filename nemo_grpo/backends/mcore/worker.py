@@ -14,8 +14,9 @@ Only what differs from `PolicyWorker` is here:
 - checkpoints: torch.distributed.checkpoint of HF-named full tensors (weights and optimizer moments), so a
   checkpoint loads at any TP / PP / DP layout.
 Optimizer: a torch optimizer over the "main" parameters: the local shards themselves in fp32; in bf16, fp32
-master copies with fp32 gradient accumulation. use_distributed_optimizer shards its state over the DP group
-(ZeRO-1, torch's ZeroRedundancyOptimizer), not Megatron's DistributedOptimizer.
+master copies with fp32 gradient accumulation. use_distributed_optimizer: Megatron-Core's DistributedDataParallel
+(gradient buffers reduce-scattered over DP, overlapping the backward) and DistributedOptimizer (fp32 main weights
+and optimizer state of this DP rank's shard only), distopt.py; the step sequence stays the shared one.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from nemo_grpo.backends.mcore import shim, weights
+from nemo_grpo.backends.mcore.distopt import MegatronDistributedOptimizer, ShardedState
 from nemo_grpo.backends.model_inputs import ModelInputs, natural_width
-from nemo_grpo.backends.optimizer import optimizer_class
 from nemo_grpo.backends.worker import PolicyWorker, accumulate, loss_and_metrics
 from nemo_grpo.models.spec import CAUSAL_LM, SEQ_CLS, model_spec
 from nemo_grpo.weights.transfer import TensorSpec
@@ -76,7 +77,9 @@ class MegatronPolicyWorker(PolicyWorker):
         self.model = model
         self.rope_positions = mmodel.RotaryPositions(model)
         self.params = dict(model.named_parameters())
-        self.main = self._main_params(local)
+        self.dist_opt = None  # MegatronDistributedOptimizer with use_distributed_optimizer (_make_optimizer)
+        self._initial_shards = local  # fp32, for the distributed optimizer's main weights; dropped once made
+        self.main = self.params if m.use_distributed_optimizer else self._main_params(local)
         self.entries = {e.hf: e for e in weights.entries(self.spec, pp)}
         self.tied_aliases = weights.tied_aliases(self.spec)
 
@@ -92,24 +95,43 @@ class MegatronPolicyWorker(PolicyWorker):
         return main
 
     def _make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        """Over the main parameters. use_distributed_optimizer: their state sharded over the data-parallel
-        group (ZeRO-1, torch's ZeroRedundancyOptimizer: each DP rank steps its share and broadcasts it)."""
-        params = list(self.main.values())
-        if not self.cfg.megatron_cfg.use_distributed_optimizer or self.dp_size == 1:
-            return super()._make_optimizer(params)
+        """Over the main parameters; use_distributed_optimizer: Megatron's, whose inner torch optimizer steps this
+        DP rank's fp32 main shards (set from the checkpoint's fp32 tensors, not from bf16 parameters)."""
+        local, self._initial_shards = self._initial_shards, None
+        m = self.cfg.megatron_cfg
+        if not m.use_distributed_optimizer:
+            return super()._make_optimizer(list(self.main.values()))
         from megatron.core import parallel_state as ps
-        from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        cls, kwargs = optimizer_class(self.cfg.optimizer)
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=ps.get_data_parallel_group(),
-                                       **kwargs)
+        with shim.device_context():
+            self.dist_opt = MegatronDistributedOptimizer(self.model, self.mconfig, m.distributed_data_parallel_config,
+                                                         self.cfg.optimizer, self.cfg.precision == "bfloat16")
+        self.sharded = ShardedState(self.dist_opt, self.params, ps.get_data_parallel_group())
+        self.sharded.load(local, {}, {})
+        return self.dist_opt.inner
 
     @torch.no_grad()
     def _after_optimizer_step(self) -> None:
-        """bf16: the updated fp32 masters rounded into the model's parameters."""
-        if self.main is not self.params:
+        """bf16: the updated fp32 masters rounded into the model's parameters (the distributed optimizer: its
+        main shards, then the all-gather of the parameters over DP)."""
+        if self.dist_opt is not None:
+            with shim.device_context():
+                self.dist_opt.after_step()
+        elif self.main is not self.params:
             for n, p in self.params.items():
                 p.copy_(self.main[n])
+
+    def _move(self, device: torch.device) -> None:
+        """Offload / onload on GPUs; the distributed optimizer's parameters and gradients live in DDP's buffers,
+        which move as buffers (the parameters stay views into them)."""
+        if self.dist_opt is None:
+            return super()._move(device)
+        for buffer in self.dist_opt.ddp.buffers:
+            buffer.offload_to_cpu() if device.type == "cpu" else buffer.reload_from_cpu()
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    state[k] = v.to(device)
 
     def _hf_config_of(self, hf_config):
         """The HF config of the model actually built (architecture name matching the head, num_labels=1)."""
@@ -197,6 +219,8 @@ class MegatronPolicyWorker(PolicyWorker):
         fullest packed row); the last stage's loss closure calls the shared loss function. Metrics are summed on
         the last stage (empty elsewhere)."""
         micro_batches = [self._to_device(mb) for mb in micro_batches]
+        if self.dist_opt is not None:
+            self.dist_opt.start_step()
         sizes = {int(mb["input_ids"].shape[0]) for mb in micro_batches}
         packed = self.cfg.sequence_packing.enabled
         if len(sizes) > 1 and self.pp_size > 1 and not packed:
@@ -220,6 +244,9 @@ class MegatronPolicyWorker(PolicyWorker):
 
     # ------------------------------------------------------------------------------------------ gradients
     def _grads(self, names) -> list[torch.Tensor]:
+        """The gradient tensors of `names` as the step reduces them: DDP's main_grad views, or the main .grad."""
+        if self.dist_opt is not None:
+            return [self.params[n].main_grad for n in names]
         out = []
         for n in names:
             p = self.main[n]
@@ -229,7 +256,19 @@ class MegatronPolicyWorker(PolicyWorker):
         return out
 
     def _finish_gradients(self) -> None:
-        """TP sum of partial grads of replicated params, tied-embedding sum over PP, then the DP sum."""
+        """TP sum of partial grads of replicated params, tied-embedding sum over PP, then the DP sum (the
+        distributed optimizer: DDP's reduce-scatter, then this shard's gradients into the main shards)."""
+        from megatron.core import parallel_state as ps
+
+        if self.dist_opt is not None:
+            with shim.device_context():
+                return self.dist_opt.reduce_gradients(before=self._model_parallel_grad_sums)
+        self._model_parallel_grad_sums()
+        if self.dp_size > 1:
+            _all_reduce_flat(self._grads(list(self.params)), ps.get_data_parallel_group())
+
+    def _model_parallel_grad_sums(self) -> None:
+        """TP sum of the partial gradients of replicated parameters; the tied embedding's sum over its stages."""
         from megatron.core import parallel_state as ps
 
         if self.tp_size > 1:
@@ -239,14 +278,15 @@ class MegatronPolicyWorker(PolicyWorker):
         if self.spec.tied and self.pp_size > 1 and (self.pp_rank in (0, self.pp_size - 1)):
             shared = "embedding.word_embeddings.weight" if self.pp_rank == 0 else "output_layer.weight"
             dist.all_reduce(self._grads([shared])[0], group=ps.get_embedding_group())
-        if self.dp_size > 1:
-            _all_reduce_flat(self._grads(list(self.params)), ps.get_data_parallel_group())
 
     def _grad_norm(self) -> float:
         """Global L2 norm over the model-parallel group (DP ranks hold the same summed grads), each element
         counted once: TP-replicated parameters only on TP rank 0, the last stage's tied embedding copy not."""
         from megatron.core import parallel_state as ps
 
+        if self.dist_opt is not None:
+            with shim.device_context():
+                return self.dist_opt.grad_norm()
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for n, p in self.params.items():
             duplicate = getattr(p, "shared", False) or (
@@ -258,6 +298,8 @@ class MegatronPolicyWorker(PolicyWorker):
         return float(sq.sqrt())
 
     def _local_grads(self) -> list[torch.Tensor]:
+        if self.dist_opt is not None:
+            return self.dist_opt.local_grads()
         return [p.grad for p in self.main.values() if p.grad is not None]
 
     # ------------------------------------------------------------------------------------------ weights
@@ -294,39 +336,34 @@ class MegatronPolicyWorker(PolicyWorker):
         return out
 
     def _export_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Full HF tensors of the main (in bf16: the fp32 master) weights."""
+        """Full HF tensors of the main (in bf16: the fp32 master) weights; the distributed optimizer's bf16
+        masters are DP shards, summed into full tensors first."""
+        if self.dist_opt is not None and self.cfg.precision == "bfloat16":
+            return self._gather_hf(names, self.sharded.main_weights())
         return self._gather_hf(names, {n: p.detach() for n, p in self.main.items()})
 
     # ------------------------------------------------------------------------------------------ checkpoints
-    @property
-    def _optimizer_state(self) -> dict:
-        """param -> its optimizer state on this rank (sharded: only the parameters this DP rank steps)."""
-        return self._local_optimizer.state
-
-    def _owned(self, p: torch.nn.Parameter) -> bool:
-        local = self._local_optimizer
-        return any(p is q for group in local.param_groups for q in group["params"])
-
     def _optimizer_moments(self) -> tuple[list[str], dict[str, Any]]:
         """Collective: (names of the per-parameter optimizer tensors, e.g. exp_avg / exp_avg_sq; the scalar
-        states by key), as rank 0 sees them (every rank steps at least one parameter's state with rank 0)."""
-        state = next((v for v in self._optimizer_state.values() if v), {})
-        moments = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        box = [(moments, {k: v for k, v in state.items() if k not in moments})]
+        states by key), as rank 0 sees them (rank 0 steps a share of every kind of state)."""
+        if self.dist_opt is not None:
+            found = self.sharded.state_keys()
+        else:
+            state = next((v for v in self.optimizer.state.values() if v), {})
+            moments = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+            found = (moments, {k: v for k, v in state.items() if k not in moments})
+        box = [found]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def _full_moment(self, key: str) -> dict[str, torch.Tensor]:
-        """Collective: Megatron parameter name -> this rank's (TP / PP shard of the) optimizer tensor `key`; under
-        the sharded optimizer the DP ranks sum their shares (zeros where another rank owns the state)."""
-        from megatron.core import parallel_state as ps
-
-        state = self._optimizer_state
-        local = {n: state[p][key] if p in state and key in state[p] else torch.zeros_like(p)
-                 for n, p in self.main.items()}
-        if self._local_optimizer is not self.optimizer:  # sharded: each DP rank holds a share
-            _all_reduce_flat(list(local.values()), ps.get_data_parallel_group())
-        return local
+        """Collective: Megatron parameter name -> this rank's (TP / PP shard of the) optimizer tensor `key`; the
+        distributed optimizer's DP shares are summed into it."""
+        if self.dist_opt is not None:
+            return self.sharded.moments(key)
+        state = self.optimizer.state
+        return {n: state[p][key] if p in state and key in state[p] else torch.zeros_like(p)
+                for n, p in self.main.items()}
 
     def save_checkpoint(self, path: str) -> None:
         """DCP of HF-named full tensors: model/<name>, optim/<moment>/<name> (written from rank 0), plus a per-rank
@@ -357,24 +394,27 @@ class MegatronPolicyWorker(PolicyWorker):
         m = self.cfg.megatron_cfg
         shard = partial(weights.to_megatron, s=self.spec, tp=m.tensor_model_parallel_size, tp_rank=self.tp_rank,
                         pp=m.pipeline_model_parallel_size, pp_rank=self.pp_rank)
+        local = shard(lambda name: loaded[f"model/{name}"])
         with torch.no_grad():
-            for n, t in shard(lambda name: loaded[f"model/{name}"]).items():
+            for n, t in local.items():
                 self.params[n].copy_(t)
                 self.main[n].copy_(t)
-        self._load_optimizer_state({key: shard(lambda name: loaded[f"optim/{key}/{name}"])
-                                    for key in extra["moments"]}, extra["scalars"])
+        self._load_optimizer_state(local, {key: shard(lambda name: loaded[f"optim/{key}/{name}"])
+                                           for key in extra["moments"]}, extra["scalars"])
         self._restore_schedule_and_rng(extra)
 
-    def _load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], scalars: dict[str, Any]) -> None:
-        """moments: key -> Megatron parameter name -> this rank's shard; set for the parameters this rank steps."""
-        state = self._optimizer_state
+    def _load_optimizer_state(self, shards: dict[str, torch.Tensor], moments: dict[str, dict[str, torch.Tensor]],
+                              scalars: dict[str, Any]) -> None:
+        """shards: Megatron parameter name -> this rank's shard (fp32); moments: key -> the same, per state."""
+        if self.dist_opt is not None:
+            return self.sharded.load(shards, moments, scalars)
+        state = self.optimizer.state
         state.clear()
         if not moments:
             return
         for n, p in self.main.items():
-            if self._owned(p):
-                state[p].update({key: by_name[n].to(self.device).clone() for key, by_name in moments.items()})
-                state[p].update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()})
+            state[p].update({key: by_name[n].to(self.device).clone() for key, by_name in moments.items()})
+            state[p].update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()})
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:

@@ -1,0 +1,148 @@
+"""Megatron-Core's distributed optimizer for the Megatron back end (policy.megatron_cfg.use_distributed_optimizer).
+
+`DistributedDataParallel` puts the gradients in contiguous buffers and reduce-scatters them over the data-parallel
+group, bucket by bucket while the backward still runs (`distributed_data_parallel_config.overlap_grad_reduce`);
+`DistributedOptimizer` keeps the fp32 main weights and the optimizer state of this DP rank's shard of each buffer
+only, steps them, and all-gathers the updated weights. The worker keeps its own step sequence around it
+(backends/worker.py: one clipping rule, a non-finite norm skips the step), so only Megatron's pieces are used:
+`finish_grad_sync`, `prepare_grads`, `get_grad_norm`, the inner torch optimizer, the main-to-model copy and
+`start_param_sync`. Per-parameter views of the sharded state (`ShardedState`) keep checkpoints layout-free.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def megatron_optimizer_config(opt_cfg, precision_bf16: bool, params_dtype: torch.dtype):
+    """policy.optimizer (adamw | sgd) -> megatron OptimizerConfig; clipping stays the worker's (clip_grad 0)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    common = dict(lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay, use_distributed_optimizer=True, clip_grad=0.0,
+                  bf16=precision_bf16, params_dtype=params_dtype)
+    if opt_cfg.name == "adamw":
+        return OptimizerConfig(optimizer="adam", adam_beta1=opt_cfg.betas[0], adam_beta2=opt_cfg.betas[1],
+                               adam_eps=opt_cfg.eps, **common)
+    if opt_cfg.name == "sgd":
+        return OptimizerConfig(optimizer="sgd", sgd_momentum=0.0, **common)
+    raise ValueError(f"policy.optimizer.name '{opt_cfg.name}' is unknown; known: adamw, sgd")
+
+
+class MegatronDistributedOptimizer:
+    """DDP around this rank's GPTModel chunk plus Megatron's DistributedOptimizer over it.
+
+    `inner` is the torch optimizer that steps the fp32 main shards (the worker's scheduler drives its lr)."""
+
+    def __init__(self, model: nn.Module, config, ddp_cfg, opt_cfg, bf16: bool):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        self.ddp = DistributedDataParallel(
+            config=config, module=model,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=ddp_cfg.grad_reduce_in_fp32, overlap_grad_reduce=ddp_cfg.overlap_grad_reduce,
+                use_distributed_optimizer=True))
+        config.no_sync_func = self.ddp.no_sync  # the schedules reduce only after a step's last micro-batch
+        # config_overrides={}: weight decay on every parameter, as torch's AdamW over all of them
+        chained = get_megatron_optimizer(megatron_optimizer_config(opt_cfg, bf16, config.params_dtype),
+                                         [self.ddp], config_overrides={})
+        (self.optimizer,) = getattr(chained, "chained_optimizers", [chained])  # one DistributedOptimizer (dense)
+        self.inner: torch.optim.Optimizer = self.optimizer.optimizer
+
+    def start_step(self) -> None:
+        """Before a step's first backward: zero the gradient buffers."""
+        self.ddp.zero_grad_buffer()
+
+    def reduce_gradients(self, before: Callable[[], None]) -> None:
+        """After the last backward: `before()` (reductions over TP / the tied embedding's stages on the unreduced
+        main_grads), then the data-parallel reduce-scatter, then this shard's gradients into the main shards."""
+        if not self.ddp.ddp_config.overlap_grad_reduce:
+            before()
+            self.ddp.finish_grad_sync()
+        else:  # the reduce-scatter is under way since the backward: TP sums are shard-local-safe after it
+            self.ddp.finish_grad_sync()
+            before()
+        self.optimizer.prepare_grads()
+
+    def grad_norm(self) -> float:
+        """Megatron's global norm: this shard's main gradients, TP duplicates and the tied copy counted once."""
+        return float(self.optimizer.get_grad_norm())
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [p.grad for group in self.inner.param_groups for p in group["params"] if p.grad is not None]
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """The stepped main shards into the model's parameters, then their all-gather over DP."""
+        self.optimizer._copy_main_params_to_model_params()
+        self.ddp.start_param_sync()
+
+
+class ShardedState:
+    """Per model parameter: the slice of its flattened elements this DP rank's DistributedOptimizer owns, the fp32
+    main shard and the optimizer state of that slice. Full (TP-local) tensors are rebuilt by summing the DP ranks'
+    zero-padded slices, and a full tensor is loaded by each rank taking its slice."""
+
+    def __init__(self, dist_opt: MegatronDistributedOptimizer, params: dict[str, nn.Parameter], dp_group):
+        opt = dist_opt.optimizer
+        self.inner, self.params, self.dp_group = dist_opt.inner, params, dp_group
+        self.ranges: dict[str, tuple[int, int]] = {}
+        self.mains: dict[str, torch.Tensor] = {}
+        main_of = {}  # model parameter -> the inner optimizer's fp32 main shard (fp32 parameters: a view of it)
+        for models, mains in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                              (opt.model_fp32_groups, opt.shard_fp32_groups)):
+            for model_group, main_group in zip(models, mains):
+                main_of.update(zip(model_group, main_group))
+        for name, p in params.items():
+            if p in main_of:
+                r = opt._get_model_param_range_map(p)["param"]
+                self.ranges[name], self.mains[name] = (r.start, r.end), main_of[p]
+
+    def full(self, local_of: Callable[[str, torch.Tensor], Optional[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Collective over DP: name -> the full TP-local fp32 tensor of local_of(name, main shard) (None where
+        this rank holds nothing of it)."""
+        out = {}
+        for name, p in self.params.items():
+            flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+            if name in self.ranges:
+                part = local_of(name, self.mains[name])
+                if part is not None:
+                    start, end = self.ranges[name]
+                    flat[start:end] = part.reshape(-1)
+            out[name] = flat.view(p.shape)
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        tensors = list(out.values())
+        joined = _flatten_dense_tensors(tensors)
+        dist.all_reduce(joined, group=self.dp_group)
+        return dict(zip(out, _unflatten_dense_tensors(joined, tensors)))
+
+    def main_weights(self) -> dict[str, torch.Tensor]:
+        return self.full(lambda name, main: main.detach())
+
+    def moments(self, key: str) -> dict[str, torch.Tensor]:
+        return self.full(lambda name, main: self.inner.state.get(main, {}).get(key))
+
+    def state_keys(self) -> tuple[list[str], dict]:
+        """(per-element state keys, e.g. exp_avg / exp_avg_sq; the scalar states) of the first stepped shard."""
+        state = next((v for v in self.inner.state.values() if v), {})
+        moments = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return moments, {k: v for k, v in state.items() if k not in moments}
+
+    @torch.no_grad()
+    def load(self, weights: dict[str, torch.Tensor], moments: dict[str, dict[str, torch.Tensor]],
+             scalars: dict) -> None:
+        """Full TP-local tensors by name -> this rank's main shards and optimizer state."""
+        self.inner.state.clear()
+        for name, (start, end) in self.ranges.items():
+            main = self.mains[name]
+            main.copy_(weights[name].reshape(-1)[start:end].to(main.device, main.dtype))
+            if moments:
+                state = self.inner.state[main]
+                state.update({k: by_name[name].reshape(-1)[start:end].to(main.device).clone()
+                              for k, by_name in moments.items()})
+                state.update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()})
