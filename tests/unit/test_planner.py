@@ -94,7 +94,7 @@ print(json.dumps(counts))
 """
 
 
-@pytest.mark.parametrize("name,tp,pp,head", [("Meta-Llama-3-8B-Instruct", 2, 1, False),  # grpo_math_8B_megatron
+@pytest.mark.parametrize("name,tp,pp,head", [("Llama-3.1-8B-Instruct", 2, 1, False),  # grpo_math_8B_megatron
                                              ("Llama-3.3-70B-Instruct", 8, 2, False),  # grpo_math_70B_megatron
                                              ("Llama-3.1-70B-Reward-BT", 8, 2, True)])  # grpo_rm_70B_megatron's RM
 def test_megatron_meta_model_has_the_planned_parameters(name, tp, pp, head):
