@@ -32,13 +32,16 @@ def megatron_policy(path: str, layout: str, **kwargs) -> Policy:
 
 
 def assert_trained_logprobs_match(policy: Policy, path: str, batch: dict) -> None:
-    """One train call; then the policy's log-probs equal those of the single-process reference step."""
+    """One train call; then the policy's log-probs equal those of the single-process reference step, within 3e-5:
+    the trained weights agree to 1e-4 (check_train_parity: Adam steps of lr 1e-2 amplify the reductions'
+    rounding), which moves log-probs by up to 1.5e-5 (measured at TP=2 with SP; a wrong gradient moves them by
+    1e-2 or more)."""
     start = export_state(policy)
     check_train_parity(policy, path, batch)
     ref_state = reference_train(path, start, batch, policy.cfg)[0]
     with torch.no_grad():
         ref = hf_logprobs(load_hf(path, ref_state).eval(), batch)
-    assert (policy.get_logprobs(batch) - ref).abs().max().item() <= 1e-5
+    assert (policy.get_logprobs(batch) - ref).abs().max().item() <= 3e-5
 
 
 # ---------------------------------------------------------------------------------------------- TP=2 + SP
