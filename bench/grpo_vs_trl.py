@@ -69,8 +69,11 @@ class RecordingRefitter:
 
 
 def nemo_overrides(engine: str, args, log_dir: str) -> list[str]:
-    sizes = [] if args.model == MODEL else [f"data.max_input_seq_length={PROMPT_TOKENS}",
-                                            f"policy.max_total_sequence_length={PROMPT_TOKENS + args.max_new_tokens}"]
+    per_rank = args.samples // args.policy_ranks  # the recipe's micro-batches (32 / 64), or a smaller batch's
+    sizes = [f"policy.train_micro_batch_size={min(32, per_rank)}", f"policy.logprob_batch_size={min(64, per_rank)}"]
+    if args.model != MODEL:
+        sizes += [f"data.max_input_seq_length={PROMPT_TOKENS}",
+                  f"policy.max_total_sequence_length={PROMPT_TOKENS + args.max_new_tokens}"]
     return sizes + [
             f"policy.model_name={args.model}", f"policy.generation.backend={engine}",
             f"grpo.num_prompts_per_step={args.prompts}", f"grpo.num_generations_per_prompt={args.group}",
