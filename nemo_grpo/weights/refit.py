@@ -29,6 +29,7 @@ from typing import Optional
 from nemo_grpo.errors import ConfigError
 
 TRANSFER_TIMEOUT_S = 600.0  # joining the transfer group, and each broadcast, fail after this long
+DEAD_ACTOR_GRACE_S = 30.0  # after a failed refit, how long Ray may take to report a receiver's death
 
 
 class SharedMemoryRefitter:
@@ -142,9 +143,13 @@ class CollectiveRefitter:
         sends = self.policy.send_weights_async(self.name)
         receives = [w.receive_weights.remote() for w in self.workers]
         pending = sends + receives
-        while pending:  # a failed member (a dead engine actor) raises at once, not after the others time out
-            ready, pending = ray.wait(pending, num_returns=1)
-            ray.get(ready)
+        try:
+            while pending:  # a failed member (a dead engine actor) raises at once, not after the others time out
+                ready, pending = ray.wait(pending, num_returns=1)
+                ray.get(ready)
+        except ray.exceptions.RayTaskError:
+            _raise_if_a_receiver_died(receives, DEAD_ACTOR_GRACE_S)
+            raise
         sent = ray.get(sends[0])  # policy rank 0's {"bytes", "buckets", "seconds"}
         return {"bytes": sent["bytes"], "buckets": sent["buckets"], "seconds": time.perf_counter() - start,
                 "send_seconds": sent["seconds"]}
@@ -153,6 +158,20 @@ class CollectiveRefitter:
         """Leave the group and drop its buffers everywhere (a later refit sets it up again, with a new name)."""
         close_transfer(self)
         self.name = f"refit-{uuid.uuid4().hex[:12]}"
+
+
+def _raise_if_a_receiver_died(receives: list, grace_s: float) -> None:
+    """A sender's collective fails (gloo: connection reset) as soon as a receiving engine actor dies, often
+    before Ray reports the death: wait up to grace_s for the receivers' results and raise a RayActorError
+    among them, so the caller sees the dead engine rather than the sender's symptom."""
+    import ray
+
+    done, _ = ray.wait(receives, num_returns=len(receives), timeout=grace_s)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayTaskError:  # the receiver's own collective error: the same symptom
+            continue
 
 
 def check_generation_resources(gen_cfg, on_gpus: bool) -> None:

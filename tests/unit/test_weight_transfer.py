@@ -12,7 +12,7 @@ from nemo_grpo.weights import transfer as wt
 from nemo_grpo.weights.transfer import TensorSpec
 from nemo_grpo.config import ConfigError, GenerationConfig
 from nemo_grpo.weights.receiver import WeightReceiver
-from nemo_grpo.weights.refit import check_generation_resources
+from nemo_grpo.weights.refit import _raise_if_a_receiver_died, check_generation_resources
 
 TIMEOUT_S = 60.0
 
@@ -214,3 +214,25 @@ def test_without_in_flight_updates_the_model_turn_is_free():
     with worker._model_turn():
         worker.receive_weights()  # no lock: the actor runs one call at a time anyway
     assert worker.version == 1
+
+
+def test_a_dead_receiver_is_reported_rather_than_the_senders_symptom(ray_cluster):
+    """A refit's sender fails first (gloo: connection reset) when an engine actor dies mid-broadcast; the
+    refitter then reports the dead receiver (a RayActorError, which the trainer turns into GenerationFailed)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Receiver:
+        def receive(self, seconds: float) -> None:
+            import time
+
+            time.sleep(seconds)
+
+    alive, dying = Receiver.remote(), Receiver.remote()
+    ray.get([alive.receive.remote(0), dying.receive.remote(0)])  # both started
+    refs = [alive.receive.remote(0), dying.receive.remote(60)]
+    ray.kill(dying)
+    with pytest.raises(ray.exceptions.RayActorError):
+        _raise_if_a_receiver_died(refs, grace_s=30)
+    _raise_if_a_receiver_died([alive.receive.remote(0)], grace_s=30)  # all alive: nothing to report
+    ray.kill(alive)
