@@ -2,7 +2,7 @@
 
 Tiny Llama models whose HF config carries `rope_scaling`, with rows longer than original_max_position_embeddings
 (64, rows up to 80 tokens) so that the scaled frequencies matter: of the 16 frequencies of head_dim 32 at
-rope_theta 10000, 2 are kept, 3 are blended and 11 divided by the factor. The llama3 parameters differ from
+rope_theta 10000, 3 are kept, 2 are blended and 11 divided by the factor. The llama3 parameters differ from
 Llama 3.1's (factor 8, 1, 4, 8192), which GPTModel's own rope_scaling flag would assume.
 """
 
