@@ -154,14 +154,18 @@ class PolicyWorker(WeightSender, ABC):
             self._move(self.device)
 
     def _move(self, device: torch.device) -> None:
-        self.model.to(device)
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                p.data = p.data.to(device)
+        self._move_parameters(device)
         for state in self.optimizer.state.values():
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and k != "step":
                     state[k] = v.to(device)
+
+    def _move_parameters(self, device: torch.device) -> None:
+        """The model and the tensors the optimizer steps (e.g. fp32 masters) to `device`."""
+        self.model.to(device)
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.data = p.data.to(device)
 
     # ------------------------------------------------------------------------------------------ checkpoint helpers
     def _save_rank_state(self, path: str, **extra: Any) -> None:

@@ -102,14 +102,14 @@ class ShardedState:
                 r = opt._get_model_param_range_map(p)["param"]
                 self.ranges[name], self.mains[name] = (r.start, r.end), main_of[p]
 
-    def full(self, local_of: Callable[[str, torch.Tensor], Optional[torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Collective over DP: name -> the full TP-local fp32 tensor of local_of(name, main shard) (None where
-        this rank holds nothing of it)."""
+    def full(self, local_of: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Collective over DP: name -> the full TP-local fp32 tensor of local_of(main shard) (None where this rank
+        holds nothing of it)."""
         out = {}
         for name, p in self.params.items():
             flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
             if name in self.ranges:
-                part = local_of(name, self.mains[name])
+                part = local_of(self.mains[name])
                 if part is not None:
                     start, end = self.ranges[name]
                     flat[start:end] = part.reshape(-1)
@@ -122,16 +122,10 @@ class ShardedState:
         return dict(zip(out, _unflatten_dense_tensors(joined, tensors)))
 
     def main_weights(self) -> dict[str, torch.Tensor]:
-        return self.full(lambda name, main: main.detach())
+        return self.full(lambda main: main.detach())
 
     def moments(self, key: str) -> dict[str, torch.Tensor]:
-        return self.full(lambda name, main: self.inner.state.get(main, {}).get(key))
-
-    def state_keys(self) -> tuple[list[str], dict]:
-        """(per-element state keys, e.g. exp_avg / exp_avg_sq; the scalar states) of the first stepped shard."""
-        state = next((v for v in self.inner.state.values() if v), {})
-        moments = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return moments, {k: v for k, v in state.items() if k not in moments}
+        return self.full(lambda main: self.inner.state.get(main, {}).get(key))
 
     @torch.no_grad()
     def load(self, weights: dict[str, torch.Tensor], moments: dict[str, dict[str, torch.Tensor]],

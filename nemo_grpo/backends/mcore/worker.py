@@ -121,17 +121,17 @@ class MegatronPolicyWorker(PolicyWorker):
             for n, p in self.params.items():
                 p.copy_(self.main[n])
 
-    def _move(self, device: torch.device) -> None:
-        """Offload / onload on GPUs; the distributed optimizer's parameters and gradients live in DDP's buffers,
-        which move as buffers (the parameters stay views into them)."""
+    def _move_parameters(self, device: torch.device) -> None:
+        """Offload / onload on GPUs. The distributed optimizer's parameters and gradients live in DDP's buffers,
+        which move as buffers (the parameters, and the fp32 main shards of fp32 parameters, stay views into
+        them); the fp32 main shards of bf16 parameters are tensors of their own."""
         if self.dist_opt is None:
-            return super()._move(device)
+            return super()._move_parameters(device)
         for buffer in self.dist_opt.ddp.buffers:
             buffer.offload_to_cpu() if device.type == "cpu" else buffer.reload_from_cpu()
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and k != "step":
-                    state[k] = v.to(device)
+        for group in self.dist_opt.optimizer.shard_fp32_from_float16_groups:
+            for main in group:
+                main.data = main.data.to(device)
 
     def _hf_config_of(self, hf_config):
         """The HF config of the model actually built (architecture name matching the head, num_labels=1)."""
@@ -346,13 +346,9 @@ class MegatronPolicyWorker(PolicyWorker):
     def _optimizer_moments(self) -> tuple[list[str], dict[str, Any]]:
         """Collective: (names of the per-parameter optimizer tensors, e.g. exp_avg / exp_avg_sq; the scalar
         states by key), as rank 0 sees them (rank 0 steps a share of every kind of state)."""
-        if self.dist_opt is not None:
-            found = self.sharded.state_keys()
-        else:
-            state = next((v for v in self.optimizer.state.values() if v), {})
-            moments = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
-            found = (moments, {k: v for k, v in state.items() if k not in moments})
-        box = [found]
+        state = next((v for v in self.optimizer.state.values() if v), {})  # (distributed: its inner optimizer)
+        moments = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        box = [(moments, {k: v for k, v in state.items() if k not in moments})]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
