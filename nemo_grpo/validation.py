@@ -17,7 +17,6 @@ from typing import Optional
 
 from nemo_grpo.config import (BUILTIN_MODEL_PREFIX, DatasetConfig, MasterConfig, PolicyConfig,
                               RewardModelEnvConfig, RMEvalConfig, RMTrainConfig, read_config)
-from nemo_grpo.errors import ConfigError
 from nemo_grpo.errors import require as _need
 from nemo_grpo.errors import require_choice as _choice
 from nemo_grpo.layout import ParallelLayout, check_inactive_degrees, policy_layout
@@ -178,11 +177,10 @@ def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "polic
         m, key = p.megatron_cfg, f"{prefix}.megatron_cfg."
         check_rope(hf, f"{prefix}.model_name")
         overlap = m.use_distributed_optimizer and m.distributed_data_parallel_config.overlap_grad_reduce
-        if overlap and m.pipeline_model_parallel_size > 1 and getattr(hf, "tie_word_embeddings", False):
-            raise ConfigError(f"config key '{key}distributed_data_parallel_config.overlap_grad_reduce': the model "
-                              f"ties its embeddings, whose gradient is summed over the first and last pipeline "
-                              f"stages before the data-parallel reduction; set it to false with "
-                              f"pipeline_model_parallel_size > 1")
+        tied_over_stages = m.pipeline_model_parallel_size > 1 and getattr(hf, "tie_word_embeddings", False)
+        _need(not (overlap and tied_over_stages), key + "distributed_data_parallel_config.overlap_grad_reduce",
+              "the model ties its embeddings, whose gradient is summed over the first and last pipeline stages "
+              "before the data-parallel reduction; set it to false with pipeline_model_parallel_size > 1")
         check_divisible(hf, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                         key + "tensor_model_parallel_size", key + "pipeline_model_parallel_size")
     else:
