@@ -154,6 +154,16 @@ def _optimizer_row(p, n: int, shards: int) -> tuple[str, float]:
     return f"optimizer state ({p.optimizer.name}: {k} x fp32{where})", n * 4.0 * k / shards
 
 
+def _gradient_row(p, n: int, dp: int) -> dict[str, float]:
+    """fp32 gradients of the main parameters; Megatron's DistributedOptimizer reducing in bf16
+    (grad_reduce_in_fp32 false) keeps DDP's bf16 buffer plus an fp32 copy of this DP rank's shard."""
+    m = p.megatron_cfg
+    if p.precision == "bfloat16" and m.use_distributed_optimizer and \
+            not m.distributed_data_parallel_config.grad_reduce_in_fp32:
+        return {f"gradients (bfloat16; fp32 shard / dp {dp})": n * 2.0 + n * 4.0 / dp}
+    return {"gradients (fp32)": n * 4.0}
+
+
 def _activation_row(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, layers: int, in_flight: int,
                     recompute: bool) -> tuple[str, float]:
     tokens = w.train_micro_batch * w.seq_len
@@ -202,8 +212,7 @@ def megatron_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], di
             state["fp32 master weights" + (f" / dp {shards}" if shards > 1 else "")] = n * 4.0 / shards
         phases = {}
         if w.training:
-            grad_bytes = 4 if b == 4 or not shards > 1 or m.distributed_data_parallel_config.grad_reduce_in_fp32 else b
-            train = dict(state, **{f"gradients ({'fp32' if grad_bytes == 4 else p.precision})": n * grad_bytes})
+            train = dict(state, **_gradient_row(p, n, dp))
             train.update([_optimizer_row(p, n, shards),
                           _activation_row(spec, impl, b, w, tp, sp, spec.num_layers // pp,
                                           min(pp - stage, w.micro_batches), m.activation_checkpointing)])

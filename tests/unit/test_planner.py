@@ -214,29 +214,42 @@ def _rows(memory, role: int, device: int, phase: str) -> dict:
     return memory.roles[role].devices[device].phases[phase]
 
 
+MEGATRON_BY_HAND = [  # TP 2 x PP 2 x DP 2, bf16, Megatron's distributed optimizer, 4 micro-batches of 2 x 64 tokens
+    "policy.backend=megatron", "policy.precision=bfloat16", "policy.megatron_cfg.tensor_model_parallel_size=2",
+    "policy.megatron_cfg.pipeline_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true",
+    "policy.megatron_cfg.use_distributed_optimizer=true", "cluster.gpus_per_node=8",
+    "policy.train_global_batch_size=16", "policy.train_micro_batch_size=2", "policy.max_total_sequence_length=64",
+    "policy.generation.backend=torch"]
+N0 = (256 + 128 + 128) * 256 // 2 + 256 * 256 // 2 + 3 * 512 * 256 // 2 + 2 * 256 + 1000 * 256 // 2  # stage 0, TP 2
+
+
 def test_megatron_figures_by_hand(small_model_dir):
     """TP 2 x PP 2 x DP 2, bf16, masters and Adam sharded over DP (Megatron's DistributedOptimizer), 4 micro-batches
     of 2 x 64 tokens per step."""
-    _, _, memory = plan_recipe(None, [
-        f"policy.model_name={small_model_dir}", "policy.backend=megatron", "policy.precision=bfloat16",
-        "policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.pipeline_model_parallel_size=2",
-        "policy.megatron_cfg.sequence_parallel=true", "policy.megatron_cfg.use_distributed_optimizer=true",
-        "cluster.gpus_per_node=8", "policy.train_global_batch_size=16", "policy.train_micro_batch_size=2",
-        "policy.max_total_sequence_length=64", "policy.generation.backend=torch"])
-    n0 = (256 + 128 + 128) * 256 // 2 + 256 * 256 // 2 + 3 * 512 * 256 // 2 + 2 * 256 + 1000 * 256 // 2
+    _, _, memory = plan_recipe(None, [f"policy.model_name={small_model_dir}", *MEGATRON_BY_HAND])
     stage0, stage1 = _rows(memory, 0, 0, "training"), _rows(memory, 0, 1, "training")
     spec = decoder_spec(_llama(), False, 2, 2)
     per_token = act.layer_bytes_per_token(spec, "megatron_sdpa", 2, 64, tp=2, sequence_parallel=True,
                                           seqs_per_micro_batch=2)
-    assert stage0 == {"parameters (bfloat16)": 2 * n0, "fp32 master weights / dp 2": 4 * n0 / 2,
-                      "gradients (fp32)": 4 * n0,
-                      "optimizer state (adamw: 2 x fp32 / dp 2)": 2 * 4 * n0 / 2,
+    assert stage0 == {"parameters (bfloat16)": 2 * N0, "fp32 master weights / dp 2": 4 * N0 / 2,
+                      "gradients (fp32)": 4 * N0,
+                      "optimizer state (adamw: 2 x fp32 / dp 2)": 2 * 4 * N0 / 2,
                       "activations (2 x 64 tok)": 2 * 1 * 128 * per_token,  # 2 micro-batches in flight, 1 layer
                       "runtime reserve": RUNTIME_RESERVE_GIB * GIB}
     assert stage1["activations (2 x 64 tok)"] == 1 * 1 * 128 * per_token  # the last stage: 1 in flight
     assert stage1["logits"] == 128 * 500 * (2 + 4 + 4)  # vocabulary 1000 / tp 2: bf16 logits, fp32 copy + grad
     assert "logits" not in stage0
     assert memory.problems() == []
+
+
+def test_bf16_gradient_reduction_keeps_a_bf16_buffer_and_an_fp32_shard(small_model_dir):
+    """grad_reduce_in_fp32=false: DDP's gradient buffer in bf16, plus the fp32 copy of this DP rank's shard that
+    the distributed optimizer steps."""
+    _, _, memory = plan_recipe(None, [f"policy.model_name={small_model_dir}", *MEGATRON_BY_HAND,
+                                      "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32=false"])
+    stage0 = _rows(memory, 0, 0, "training")
+    assert stage0["gradients (bfloat16; fp32 shard / dp 2)"] == 2 * N0 + 4 * N0 / 2
+    assert "gradients (fp32)" not in stage0
 
 
 def test_packing_counts_a_micro_batch_by_its_token_budget(small_model_dir):
