@@ -136,6 +136,20 @@ class TokenizerConfig:
 
 
 @dataclass
+class LoraConfig:
+    """policy.lora: low-rank adapters W + (alpha / rank) * B @ A on the targeted linear layers; only the adapters
+    train (NeMo RL's dtensor_cfg.lora_cfg / megatron_cfg.peft keys; their `dim` is `rank` here)."""
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0  # on the adapter's input
+    # Hugging Face leaf names of the linear layers that get adapters; empty: every linear layer of attention
+    # and MLP (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)
+    target_modules: list[str] = field(default_factory=list)
+    exclude_modules: list[str] = field(default_factory=list)  # leaf names taken out of the targets
+
+
+@dataclass
 class PolicyConfig:
     # a local Hugging Face directory, or "builtin:tiny-addition" (built and warm-started locally on first use)
     model_name: str = "builtin:tiny-addition"
@@ -153,6 +167,7 @@ class PolicyConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
     sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 # ----------------------------------------------------------------------------------------------- loss / grpo

@@ -249,6 +249,15 @@ class Policy:
         """A Hugging Face directory (config, safetensors, tokenizer files) that from_pretrained loads."""
         self.group.run_all("save_pretrained", os.path.abspath(path))
 
+    def save_adapter(self, path: str) -> None:
+        """LoRA: a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) that
+        peft.PeftModel.from_pretrained loads on the base model."""
+        self.group.run_all("save_adapter", os.path.abspath(path))
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """LoRA: every adapter, full, as CPU tensors under peft's saved keys."""
+        return self.group.run_all("adapter_state")[0]
+
     def save_checkpoint(self, path: str) -> None:
         """Model + optimizer + scheduler + every rank's RNG state (torch.distributed.checkpoint) under `path`."""
         self.group.run_all("save_checkpoint", os.path.abspath(path))

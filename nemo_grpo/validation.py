@@ -20,6 +20,7 @@ from nemo_grpo.config import (BUILTIN_MODEL_PREFIX, DatasetConfig, MasterConfig,
 from nemo_grpo.errors import require as _need
 from nemo_grpo.errors import require_choice as _choice
 from nemo_grpo.layout import ParallelLayout, check_inactive_degrees, policy_layout
+from nemo_grpo.models.lora import validate_lora
 
 PRECISIONS = ["float32", "bfloat16"]
 
@@ -125,6 +126,7 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy") -> Non
     check_inactive_degrees(p.dtensor_cfg, m, prefix)
     _validate_dynamic_batching(p, prefix)
     _validate_sequence_packing(p, prefix)
+    validate_lora(p.lora, prefix=prefix)
     if p.backend == "megatron":
         key = f"{prefix}.megatron_cfg."
         _need(m.context_parallel_size == 1, key + "context_parallel_size",
@@ -365,6 +367,7 @@ def validate_rm_train(cfg: RMTrainConfig) -> None:
     """Keys, files and batch shapes (whole pairs in every micro-batch and data-parallel shard)."""
     p = cfg.policy
     validate_policy(p, files=True)
+    validate_lora(p.lora, scalar_head=True)
     _need(bool(cfg.data.train_data_path), "data.train_data_path", "is required (a JSONL of preference pairs)")
     _need_data_file(cfg.data.train_data_path, "data.train_data_path")
     _need_data_file(cfg.data.val_data_path, "data.val_data_path")

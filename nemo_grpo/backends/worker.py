@@ -29,6 +29,7 @@ from nemo_grpo.backends.batching import batch_size_of, fixed_size_groups, take_r
 from nemo_grpo.backends.model_inputs import ModelInputs, model_inputs
 from nemo_grpo.backends.optimizer import build_optimizer, clip_coefficient, lr_warmup_factor
 from nemo_grpo.layout import ParallelLayout, policy_layout
+from nemo_grpo.models import lora
 from nemo_grpo.weights.sender import WeightSender
 from nemo_grpo.weights.transfer import TensorSpec
 
@@ -77,7 +78,9 @@ class PolicyWorker(WeightSender, ABC):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lr_warmup_factor(cfg.optimizer.warmup_steps))
         self.reference: Optional[dict[str, torch.Tensor]] = None
-        if init_reference:  # the initial weights: a CPU copy of this rank's local shards
+        if init_reference and cfg.lora.enabled:  # the frozen base model is the reference: nothing to copy
+            self.reference = {}
+        elif init_reference:  # the initial weights: a CPU copy of this rank's local shards
             self.reference = {n: t.detach().to("cpu", copy=True) for n, t in self._local_weights().items()}
         self._init_weight_sender()
 
@@ -114,6 +117,21 @@ class PolicyWorker(WeightSender, ABC):
     @abstractmethod
     def _export_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Collective: full CPU tensors for `names` (meaningful on rank 0)."""
+
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        """Collective (LoRA): every adapter as a full CPU tensor under peft's key (models/lora.py), on rank 0."""
+        raise NotImplementedError(f"{type(self).__name__} has no LoRA adapters")
+
+    def adapter_state(self) -> Optional[dict[str, torch.Tensor]]:
+        """Collective: the adapters under peft's keys (rank 0; None elsewhere)."""
+        state = self._adapter_state()
+        return state if self.rank == 0 else None
+
+    def save_adapter(self, path: str) -> None:
+        """Collective: a PEFT adapter directory that peft.PeftModel.from_pretrained loads on the base model."""
+        state = self._adapter_state()
+        if self.rank == 0:
+            lora.save_adapter_dir(path, state, self.cfg.lora, self.model_path)
 
     @abstractmethod
     def save_checkpoint(self, path: str) -> None:
@@ -248,6 +266,10 @@ class PolicyWorker(WeightSender, ABC):
 
     @contextlib.contextmanager
     def _reference_weights(self) -> Iterator[None]:
+        if self.cfg.lora.enabled:  # the base model: adapters off
+            with lora.adapters_disabled(self.model):
+                yield
+            return
         live = self._local_weights()
         saved = {n: t.detach().to("cpu", copy=True) for n, t in live.items()}
         with torch.no_grad():

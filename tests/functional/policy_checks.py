@@ -67,9 +67,15 @@ def load_hf(path: str, state: dict = None):
 
 def reference_train(path: str, state: dict, batch: dict, cfg: PolicyConfig):
     """Plain HF + torch AdamW + torch clip_grad_norm_ over the whole global batch; (state, losses, norms, lrs)."""
-    model = load_hf(path, state).train()
+    return train_reference_model(load_hf(path, state), batch, cfg)
+
+
+def train_reference_model(model, batch: dict, cfg: PolicyConfig):
+    """reference_train on a given single-process model (its trainable parameters): (state, losses, norms, lrs)."""
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optimizer
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     warm = o.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
     gbs, n = cfg.train_global_batch_size, batch["input_ids"].shape[0]
@@ -80,7 +86,7 @@ def reference_train(path: str, state: dict, batch: dict, cfg: PolicyConfig):
         opt.zero_grad()
         loss = -(hf_logprobs(model, gb) * gb["advantages"] * mask).sum() / mask.sum()
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
         losses.append(float(loss.detach()))
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
@@ -127,15 +133,20 @@ def check_train_parity(policy: Policy, path: str, batch: dict) -> dict:
     got = export_state(policy)
     assert max_diff(got, start) > 1e-3  # the step moved the weights
     assert max_diff(got, ref_state) <= 1e-4
+    assert_step_metrics(metrics, losses, norms, lrs, batch, policy.cfg)
+    return metrics
+
+
+def assert_step_metrics(metrics: dict, losses: list, norms: list, lrs: list, batch: dict, cfg: PolicyConfig) -> None:
+    """A train call's metrics are the means over its steps of the reference's loss, pre-clip norm and lr."""
     steps = len(losses)
-    assert min(norms) > policy.cfg.max_grad_norm  # clipping was active
+    assert min(norms) > cfg.max_grad_norm  # clipping was active
     assert metrics["grad_norm"] == pytest.approx(sum(norms) / steps, rel=1e-4)
     assert metrics["pg_loss"] == pytest.approx(sum(losses) / steps, rel=1e-4, abs=1e-6)
     assert metrics["lr"] == pytest.approx(sum(lrs) / steps)
     assert metrics["seq_fraction"] == pytest.approx(1.0)
     assert metrics["extra_sum"] == pytest.approx(float(batch["extra"].sum()) / steps)
     assert metrics["num_texts"] == pytest.approx(len(batch["text"]) / steps)
-    return metrics
 
 
 def check_bf16_step(policy: Policy, path: str, batch: dict) -> None:

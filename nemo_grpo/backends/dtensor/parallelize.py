@@ -8,6 +8,9 @@ Layout: a 2-D device mesh (dp, tp), tp innermost (rank = dp_rank * tp + tp_rank)
 - FSDP2 (`fully_shard` over the dp axis) on every decoder layer, then on the root, always, also when dp == 1
   (then it only turns the remaining parameters into DTensors, so every parameter is one kind of tensor).
 - Gradient reduction over dp is a SUM (divide factor 1): the loss contract already normalizes by global counts.
+- LoRA (peft's layers, dtensor/lora.py): the base weight is split as above; a column-parallel layer's B is
+  split on its outputs too (A replicated), a row-parallel layer's A on its inputs (B replicated), so the
+  adapter's output matches the base output's local piece.
 - Qwen3's q_norm / k_norm (per-head RMSNorm weights, replicated over tp) see only the local heads under TP:
   their gradients are partial sums and are all-reduced over the tp group after backward.
 """
@@ -50,12 +53,18 @@ def tp_plan(model: nn.Module) -> dict:
     plan = {}
     prefix = model.base_model_prefix
     for i, layer in enumerate(decoder_layers(model)):
-        for name, _ in layer.named_modules():
+        for name, module in layer.named_modules():
             leaf = name.rsplit(".", 1)[-1]
-            if leaf in COLWISE:
-                plan[f"{prefix}.layers.{i}.{name}"] = ColwiseParallel()
-            elif leaf in ROWWISE:
-                plan[f"{prefix}.layers.{i}.{name}"] = RowwiseParallel()
+            style = ColwiseParallel if leaf in COLWISE else RowwiseParallel if leaf in ROWWISE else None
+            if style is None:
+                continue
+            path = f"{prefix}.layers.{i}.{name}"
+            if hasattr(module, "base_layer"):  # peft's LoRA layer: B split like a column, A like a row weight
+                plan[f"{path}.base_layer"] = style()
+                adapter = "lora_B" if style is ColwiseParallel else "lora_A"
+                plan.update({f"{path}.{adapter}.{k}": style() for k in getattr(module, adapter)})
+            else:
+                plan[path] = style()
     return plan
 
 

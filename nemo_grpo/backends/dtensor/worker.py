@@ -17,9 +17,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from nemo_grpo.backends.batching import token_logprobs_from_logits
+from nemo_grpo.backends.dtensor import lora as peft_lora
 from nemo_grpo.backends.dtensor import parallelize as par
 from nemo_grpo.backends.model_inputs import ModelInputs
 from nemo_grpo.backends.worker import PolicyWorker
+from nemo_grpo.models import lora
 from nemo_grpo.weights.transfer import TensorSpec
 
 
@@ -56,6 +58,8 @@ class DTensorPolicyWorker(PolicyWorker):
         if cfg.dtensor_cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tied_aliases = _tied_aliases(model)
+        if cfg.lora.enabled:
+            peft_lora.add_adapters(model, cfg.lora)
         model.to(self.device)
         if tp > 1:
             par.apply_tensor_parallel(model, self.mesh["tp"])
@@ -115,28 +119,54 @@ class DTensorPolicyWorker(PolicyWorker):
             out[n] = par.local(p)
         return out
 
+    def _hf_keys(self, state: dict) -> dict[str, str]:
+        """HF name -> state-dict key (they differ only for LoRA layers' base weights; adapters are not exported)."""
+        return {hf: k for k in state if (hf := peft_lora.hf_name(k)) is not None}
+
     def _export_specs(self) -> list[TensorSpec]:
-        return [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()]
+        state = self.model.state_dict()
+        return [TensorSpec(n, tuple(state[k].shape), state[k].dtype) for n, k in self._hf_keys(state).items()]
 
     def _export_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Full HF tensors on rank 0; a LoRA layer's weight merged: W + scale * B @ A."""
         state = self.model.state_dict()
+        keys = self._hf_keys(state)
         out = {}
         for name in names:
-            full = par.full_tensor(state[name].detach())
+            full = par.full_tensor(state[keys[name]].detach())
+            adapters = peft_lora.adapter_keys(keys[name])
+            if adapters is not None:
+                a, b = (par.full_tensor(state[k].detach()) for k in adapters)
+                full = lora.merged(full, a, b, lora.scale(self.cfg.lora))
             if self.rank == 0:
                 out[name] = full.to("cpu", copy=True)
+        return out
+
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, t in self.model.state_dict().items():
+            if peft_lora.is_adapter(key):
+                full = par.full_tensor(t.detach())
+                if self.rank == 0:
+                    out[peft_lora.saved_key(key)] = full.to("cpu", copy=True)
         return out
 
     def _write_bucket(self, bucket: list[TensorSpec], views: Optional[dict[str, torch.Tensor]],
                       in_place: bool) -> None:
         """In place: every rank copies (and casts) its own shard of each tensor into its slice of the full view,
         then all wait for each other; no gather. A shard replicated over tp is written by tp rank 0 only."""
-        if not in_place:
-            return super()._write_bucket(bucket, views, in_place)
         state = self.model.state_dict()
+        keys = self._hf_keys(state)
+        merged = [s for s in bucket if peft_lora.adapter_keys(keys[s.name]) is not None]
+        if not in_place or merged:  # (LoRA: rank 0 merges the gathered tensors and writes them)
+            super()._write_bucket(merged if in_place else bucket, views, False)
+            if not in_place:
+                return
         for spec in bucket:
+            if spec in merged:
+                continue
             target = views[spec.name]
-            source = state[spec.name].detach()
+            source = state[keys[spec.name]].detach()
             if not isinstance(source, DTensor):
                 if self.rank == 0:
                     target.copy_(source)
@@ -162,10 +192,17 @@ class DTensorPolicyWorker(PolicyWorker):
         """The state dicts DCP writes / fills in place: sharded model (+ optimizer) tensors under HF names."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        state = {"model": get_model_state_dict(self.model)}
+        state = {"model": get_model_state_dict(self.model, options=self._state_options())}
         if with_optimizer:  # (a never-stepped optimizer is not saved: DCP would initialize it with a fake step)
             state["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
         return state
+
+    def _state_options(self):
+        """LoRA: checkpoints hold the adapters only (the frozen base comes from policy.model_name)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        frozen_out = self.cfg.lora.enabled
+        return StateDictOptions(ignore_frozen_params=frozen_out, strict=not frozen_out)
 
     def save_checkpoint(self, path: str) -> None:
         """DCP shards of model + optimizer (loadable at another layout), plus a per-rank file with the
@@ -186,7 +223,7 @@ class DTensorPolicyWorker(PolicyWorker):
         extra = self._load_rank_state(path)
         state = self._dcp_state(extra["has_optim"])
         dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(self.model, state["model"])
+        set_model_state_dict(self.model, state["model"], options=self._state_options())
         if extra["has_optim"]:
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         else:

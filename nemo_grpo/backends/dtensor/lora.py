@@ -1,0 +1,54 @@
+"""peft's LoRA on the DTensor back end's Hugging Face model (policy.lora; what is shared is models/lora.py).
+
+`add_adapters` injects peft's LoRA layers into the HF model in place (`peft.inject_adapter_in_model`: the model
+keeps its class and HF names; a targeted `...q_proj` becomes a LoRA layer holding `base_layer` and the
+adapters `lora_A.default` [r, in], `lora_B.default` [out, r]) and freezes everything else, before TP and FSDP2
+wrap it (parallelize.py splits B like a column-parallel base weight and A like a row-parallel one).
+
+State-dict keys -> HF names: `<module>.base_layer.weight` is `<module>.weight`, exported merged (W + scale * B @ A);
+the adapters' keys are peft's saved keys without the adapter name (models/lora.py `peft_key`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nemo_grpo.models import lora
+
+ADAPTER = "default"  # peft's adapter name
+BASE_WEIGHT = ".base_layer.weight"
+
+
+def add_adapters(model: torch.nn.Module, lora_cfg) -> int:
+    """peft's LoRA layers on the targets of policy.lora, in place; base frozen. Returns the trainable elements."""
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(lora.peft_config(lora_cfg), model, adapter_name=ADAPTER)
+    return lora.freeze_base(model)
+
+
+def is_adapter(key: str) -> bool:
+    return ".lora_A." in key or ".lora_B." in key
+
+
+def hf_name(key: str) -> Optional[str]:
+    """A state-dict key -> the HF state_dict name it exports as (None for adapter weights)."""
+    if is_adapter(key):
+        return None
+    return key.replace(".base_layer.", ".")
+
+
+def adapter_keys(key: str) -> Optional[tuple[str, str]]:
+    """The state-dict keys of (A, B) of a LoRA layer's base weight `key`; None for any other key."""
+    if not key.endswith(BASE_WEIGHT):
+        return None
+    module = key[:-len(BASE_WEIGHT)]
+    return f"{module}.lora_A.{ADAPTER}.weight", f"{module}.lora_B.{ADAPTER}.weight"
+
+
+def saved_key(key: str) -> str:
+    """An adapter's state-dict key -> peft's saved key (base_model.model.<module>.lora_A.weight)."""
+    module, which = key.split(f".{ADAPTER}.")[0].rsplit(".", 1)
+    return lora.peft_key(module, which)

@@ -1,0 +1,112 @@
+"""LoRA, what both back ends share: the targets, the scale, the merge, the switch, the PEFT adapter directory.
+
+A targeted linear layer y = x W^T computes y = x W^T + scale * (dropout(x) A^T) B^T with A [r, in], B [out, r],
+scale = alpha / r; W is frozen, A and B train (A: peft's Kaiming-uniform init, B: zeros, so training starts
+from the base model). Targets are Hugging Face leaf names (q_proj, ..., down_proj) on both back ends: the
+DTensor back end puts peft's adapters on them, Megatron's TP-aware adapters sit on its fused projections with
+one adapter per HF projection (q, k, v on linear_qkv; gate, up on linear_fc1), so both compute peft's model.
+
+Adapter state (`adapter_state`) uses peft's saved keys: `base_model.model.<HF module>.lora_A.weight` [r, in] and
+`.lora_B.weight` [out, r]; `save_adapter_dir` writes them with an adapter_config.json that
+`peft.PeftModel.from_pretrained(base, path)` loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+from nemo_grpo.errors import require
+
+# the linear layers of attention and MLP in the supported decoders (Llama, Qwen2, Qwen3): the default targets
+LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_PREFIX = "base_model.model."
+
+
+def target_modules(lora_cfg, prefix: str = "policy") -> list[str]:
+    """policy.lora's target HF leaf names (default: every linear layer of attention and MLP) minus the excluded
+    ones, in LINEAR_LAYERS order; a name that matches no linear layer is a ConfigError that lists them."""
+    for key in ("target_modules", "exclude_modules"):
+        unknown = [n for n in getattr(lora_cfg, key) if n not in LINEAR_LAYERS]
+        require(not unknown, f"{prefix}.lora.{key}", f"{', '.join(map(repr, unknown))} matches no linear layer of "
+                f"the model; its linear layers are: {', '.join(LINEAR_LAYERS)}")
+    chosen = set(lora_cfg.target_modules or LINEAR_LAYERS) - set(lora_cfg.exclude_modules)
+    require(bool(chosen), f"{prefix}.lora.exclude_modules", "excludes every target: no layer would train")
+    return [n for n in LINEAR_LAYERS if n in chosen]
+
+
+def validate_lora(lora_cfg, scalar_head: bool = False, prefix: str = "policy") -> None:
+    """policy.lora's own values (ConfigError naming the key)."""
+    if not lora_cfg.enabled:
+        return
+    key = f"{prefix}.lora."
+    require(lora_cfg.rank > 0, key + "rank", f"must be > 0, got {lora_cfg.rank}")
+    require(lora_cfg.alpha > 0, key + "alpha", f"must be > 0, got {lora_cfg.alpha}")
+    require(0.0 <= lora_cfg.dropout < 1.0, key + "dropout", f"must be in [0, 1), got {lora_cfg.dropout}")
+    require(not scalar_head, key + "enabled", "LoRA is for causal-LM policies; a reward model (scalar head) "
+            "trains all its weights")
+    target_modules(lora_cfg, prefix)
+
+
+def scale(lora_cfg) -> float:
+    return lora_cfg.alpha / lora_cfg.rank
+
+
+def merged(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lora_scale: float) -> torch.Tensor:
+    """W [out, in] + scale * B [out, r] @ A [r, in], computed in fp32, in W's dtype."""
+    delta = lora_b.float() @ lora_a.float()
+    return (weight.float() + lora_scale * delta).to(weight.dtype)
+
+
+def peft_key(hf_module: str, which: str) -> str:
+    """peft's saved key of an adapter: hf_module 'model.layers.0.self_attn.q_proj', which 'lora_A' | 'lora_B'."""
+    return f"{PEFT_PREFIX}{hf_module}.{which}.weight"
+
+
+def peft_config(lora_cfg, base_model_path: str = None):
+    """The peft.LoraConfig of policy.lora (bias none, peft's default init)."""
+    import peft
+
+    return peft.LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                           target_modules=target_modules(lora_cfg), bias="none", task_type="CAUSAL_LM",
+                           base_model_name_or_path=base_model_path)
+
+
+def save_adapter_dir(path: str, state: dict[str, torch.Tensor], lora_cfg, base_model_path: str) -> None:
+    """A PEFT adapter directory: adapter_config.json + adapter_model.safetensors (`state`: peft keys)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    peft_config(lora_cfg, base_model_path).save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that carry adapters (peft's LoRA layers, Megatron's): they have lora_A and enable_adapters."""
+    return [m for m in model.modules() if hasattr(m, "lora_A") and callable(getattr(m, "enable_adapters", None))]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """The base model: every adapter off inside the block (the reference policy of a LoRA run), on after it."""
+    layers = adapter_layers(model)
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+
+
+def freeze_base(model: torch.nn.Module) -> int:
+    """requires_grad only on adapter weights (names with lora_A / lora_B); returns the trainable element count."""
+    trainable = 0
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_A." in name or ".lora_B." in name)
+        trainable += p.numel() if p.requires_grad else 0
+    return trainable
