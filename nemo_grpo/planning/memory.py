@@ -11,7 +11,14 @@ What each back end keeps, read off nemo_grpo/backends/:
              tp first); the largest unit all-gathered in the compute dtype, x2 (the next one is prefetched); the
              full fp32 model sits on every GPU while loading, before it is sharded.
   reference  a host-memory copy of each rank's shards swapped into the live parameters for its forward: no
-             GPU memory.
+             GPU memory. With LoRA the reference is the frozen base with the adapters disabled: no copy at all.
+  LoRA       (policy.lora) the frozen base weights alone: no fp32 masters, no gradients, no optimizer state;
+             Megatron keeps them in the precision, whole on every DP rank (the distributed optimizer shards
+             only what it steps), FSDP2 in fp32 (as it keeps every parameter), sharded over dp. The adapters (A [r, in],
+             B [out, r] per targeted linear; column-parallel q/k/v/gate/up: A whole, B / tp; row-parallel
+             o/down: A / tp, B whole; per pipeline stage on Megatron) are kept as full-parameter training keeps
+             parameters: masters, gradients, optimizer state and their division by dp as above. Activations are
+             counted as without LoRA: the adapters' rank-r intermediates are negligible.
   vLLM       gpu_memory_utilization of each device for its weights (bf16, / its tp) and KV cache. Colocated, the
              policy moves to host memory while vLLM generates and vLLM sleeps (level 1) while the policy trains:
              the two phases are checked apart.
@@ -27,9 +34,10 @@ from dataclasses import dataclass, field
 from nemo_grpo.distributed.resource_plan import node_list
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.layout import policy_layout
+from nemo_grpo.models.lora import target_modules
 from nemo_grpo.planning import activations as act
-from nemo_grpo.planning.params import (dtensor_rank_params, largest_fsdp_unit, megatron_stage_params,
-                                       total_params)
+from nemo_grpo.planning.params import (dtensor_rank_params, largest_fsdp_unit, lora_layer_params,
+                                       megatron_stage_params, total_params)
 
 GIB = float(1 << 30)
 RUNTIME_RESERVE_GIB = 3.0
@@ -193,6 +201,28 @@ def _forward_rows(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, vocab
     return rows
 
 
+def _megatron_weights(p, spec, tp: int, pp: int, stage: int, dp: int) -> tuple[dict, dict, float]:
+    """One rank of `stage`: the weights it keeps (parameters; in bf16 fp32 masters), the rows training adds
+    (gradients, optimizer state) and the bytes of its parameters. LoRA: the frozen base in the precision alone,
+    whole on every DP rank; the adapters (`LoRA ` rows) as full-parameter training keeps parameters."""
+    b, n = DTYPE_BYTES[p.precision], megatron_stage_params(spec, tp, pp, stage)
+    shards = dp if p.megatron_cfg.use_distributed_optimizer else 1  # DistributedOptimizer: masters and state
+    state, tag, weights = {}, "", n * b
+    if p.lora.enabled:
+        state[f"frozen base weights ({p.precision})"] = n * b
+        n, tag = _lora_layer(p, spec, tp) * (spec.num_layers // pp), "LoRA "
+    state[f"LoRA adapters ({p.precision})" if tag else f"parameters ({p.precision})"] = n * b
+    if b == 2:
+        state[f"{tag}fp32 master weights" + (f" / dp {shards}" if shards > 1 else "")] = n * 4.0 / shards
+    train = {tag + k: v for k, v in [*_gradient_row(p, n, dp).items(), _optimizer_row(p, n, shards)]}
+    return state, train, weights
+
+
+def _lora_layer(p, spec, tp: int) -> int:
+    """LoRA adapter parameters of one decoder layer on one tensor-parallel rank."""
+    return lora_layer_params(spec, target_modules(p.lora), p.lora.rank, tp)
+
+
 def megatron_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], dict[str, float]]:
     """A Device per pipeline stage, and the host memory of one rank (of the stage with the most parameters)."""
     m = p.megatron_cfg
@@ -203,18 +233,13 @@ def megatron_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], di
     sp = bool(m.sequence_parallel and tp > 1)
     devices, host = [], {}
     for stage in range(pp):
-        n = megatron_stage_params(spec, tp, pp, stage)
+        state, trained, weights = _megatron_weights(p, spec, tp, pp, stage, dp)
         last = stage == pp - 1
         vocab = spec.padded_vocab // tp if last and not spec.scalar_head else 0
-        state = {f"parameters ({p.precision})": n * b}
-        shards = dp if m.use_distributed_optimizer else 1  # Megatron's DistributedOptimizer: masters and state
-        if b == 2:
-            state["fp32 master weights" + (f" / dp {shards}" if shards > 1 else "")] = n * 4.0 / shards
         phases = {}
         if w.training:
-            train = dict(state, **_gradient_row(p, n, dp))
-            train.update([_optimizer_row(p, n, shards),
-                          _activation_row(spec, impl, b, w, tp, sp, spec.num_layers // pp,
+            train = dict(state, **trained)
+            train.update([_activation_row(spec, impl, b, w, tp, sp, spec.num_layers // pp,
                                           min(pp - stage, w.micro_batches), m.activation_checkpointing)])
             if vocab:
                 train["logits"] = w.train_micro_batch * w.seq_len * act.logits_bytes_per_token(vocab, b)
@@ -222,32 +247,49 @@ def megatron_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], di
         phases["log-prob forward" if w.training else "scoring"] = dict(
             state, **_forward_rows(spec, impl, b, w, tp, sp, vocab))
         devices.append(Device(f"stage {stage}" if pp > 1 else "every rank", phases))
-        optimizer = _optimizer_row(p, n, shards)[1]
-        host = max(host, _host_rows(w, weights=n * b, state=sum(state.values()) + optimizer),
+        host = max(host, _host_rows(w, weights=weights, state=sum(state.values()) + _optimizer_bytes(trained)),
                    key=lambda h: sum(h.values()))
     return devices, host
+
+
+def _dtensor_weights(p, spec, tp: int, dp: int) -> tuple[dict, dict, float]:
+    """One rank's FSDP shards: the weights it keeps, the rows training adds, and the bytes of its parameters.
+    LoRA: the frozen base in fp32 (FSDP2's parameters; still sharded over dp), the adapters in fp32 with
+    gradients and optimizer state."""
+    n = dtensor_rank_params(spec, tp, dp)
+    if not p.lora.enabled:
+        return ({"parameters (fp32, FSDP shards)": n * 4.0},
+                dict([("gradients (fp32, FSDP shards)", n * 4.0), _optimizer_row(p, n, 1)]), n * 4.0)
+    a = -(-_lora_layer(p, spec, tp) * spec.num_layers // dp)
+    k, v = _optimizer_row(p, a, 1)
+    return ({"frozen base weights (fp32, FSDP shards)": n * 4.0, "LoRA adapters (fp32, FSDP shards)": a * 4.0},
+            {"LoRA gradients (fp32, FSDP shards)": a * 4.0, "LoRA " + k: v}, n * 4.0)
 
 
 def dtensor_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], dict[str, float]]:
     """One Device (every rank holds the same share), and the host memory of one rank."""
     tp = p.dtensor_cfg.tensor_parallel_size
     dp, b = world // tp, DTYPE_BYTES[p.precision]
-    n = dtensor_rank_params(spec, tp, dp)
     vocab = 0 if spec.scalar_head else spec.vocab  # full-vocabulary logits on every rank
-    state = {"parameters (fp32, FSDP shards)": n * 4.0,
-             f"gathered units ({p.precision}, x2)": largest_fsdp_unit(spec, tp) * b * 2.0}
+    weights, trained, nbytes = _dtensor_weights(p, spec, tp, dp)
+    adapters = _lora_layer(p, spec, tp) if p.lora.enabled else 0
+    state = dict(weights, **{f"gathered units ({p.precision}, x2)": largest_fsdp_unit(spec, tp, adapters) * b * 2.0})
     phases = {"loading (full fp32 model)": {"full fp32 model before sharding": total_params(spec) * 4.0}}
     if w.training:
-        train = dict(state, **{"gradients (fp32, FSDP shards)": n * 4.0})
-        train.update([_optimizer_row(p, n, 1),
-                      _activation_row(spec, "hf", b, w, tp, False, spec.num_layers, 1,
+        train = dict(state, **trained)
+        train.update([_activation_row(spec, "hf", b, w, tp, False, spec.num_layers, 1,
                                       p.dtensor_cfg.activation_checkpointing)])
         if vocab:
             train["logits"] = w.train_micro_batch * w.seq_len * act.logits_bytes_per_token(vocab, b)
         phases["training"] = train
     phases["log-prob forward" if w.training else "scoring"] = dict(
         state, **_forward_rows(spec, "hf", b, w, tp, False, vocab))
-    return [Device("every rank", phases)], _host_rows(w, weights=n * 4.0, state=n * 4.0 + _optimizer_row(p, n, 1)[1])
+    return [Device("every rank", phases)], _host_rows(w, weights=nbytes,
+                                                      state=sum(weights.values()) + _optimizer_bytes(trained))
+
+
+def _optimizer_bytes(trained: dict[str, float]) -> float:
+    return sum(v for k, v in trained.items() if "optimizer state" in k)
 
 
 def _host_rows(w: Workload, weights: float, state: float) -> dict[str, float]:
@@ -321,6 +363,8 @@ def _layout(p, world: int, nodes: tuple, key: str) -> str:
     else:
         shape = f"dtensor FSDP {layout.dp} x TP {layout.tp}"
         extras = ["recompute"] if p.dtensor_cfg.activation_checkpointing else []
+    if p.lora.enabled:
+        extras.append(f"LoRA rank {p.lora.rank}")
     return f"{shape} = {world} GPUs on nodes {node_list(nodes)}, {p.precision}" + "".join(f", {e}" for e in extras)
 
 
@@ -328,7 +372,8 @@ def _policy_role(cfg, plan, spec, gpu: float) -> RolePlan:
     p, place = cfg.policy, plan.placements["policy"]
     dp = policy_layout(p, place.world_size).dp
     vllm_colocated = p.generation.backend == "vllm" and p.generation.colocated.enabled
-    w = policy_workload(p, dp, reference=cfg.loss_fn.reference_policy_kl_penalty > 0, offload=vllm_colocated)
+    kl = cfg.loss_fn.reference_policy_kl_penalty > 0
+    w = policy_workload(p, dp, reference=kl and not p.lora.enabled, offload=vllm_colocated)
     devices, host = DEVICE_PLANNERS[p.backend](p, spec, w, place.world_size)
     role = RolePlan("policy", _layout(p, place.world_size, place.nodes, "policy"), _with_reserve(devices),
                     place.gpus_per_node, host_per_gpu=host)
@@ -345,6 +390,11 @@ def _policy_role(cfg, plan, spec, gpu: float) -> RolePlan:
         role.notes.append("generation: the torch engine (a fallback) is not planned")
     if w.reference:
         role.notes.append("reference model: a host copy of each rank's shards, swapped in for its forward")
+    elif kl:
+        role.notes.append("reference model: the frozen base with the LoRA adapters disabled (no copy)")
+    if p.lora.enabled:
+        role.notes.append(f"LoRA rank {p.lora.rank} on {', '.join(target_modules(p.lora))}: only the adapters "
+                          f"train")
     return role
 
 

@@ -1,5 +1,6 @@
 """Parameter counts of a decoder (Llama / Qwen2 / Qwen3 family): in total, per Megatron rank (tp, pp stage) and
-per DTensor rank (tp x FSDP dp), all read off the one back-end-neutral tensor table (nemo_grpo/models/spec.py).
+per DTensor rank (tp x FSDP dp), all read off the one back-end-neutral tensor table (nemo_grpo/models/spec.py);
+and of its LoRA adapters (`lora_layer_params`).
 
 A model is described by its HF config: the `config.json` of the local directory when it exists, else the
 published config of a known model family matched on the directory's name (so a plan can be made before the
@@ -102,10 +103,25 @@ def dtensor_rank_params(spec: ModelSpec, tp: int, dp: int) -> int:
     return -(-sum(_on_tp_rank(t, spec, tp, vocab_parallel=False) for t in _stored(spec)) // dp)
 
 
-def largest_fsdp_unit(spec: ModelSpec, tp: int) -> int:
-    """Parameters of the largest FSDP2 unit one rank all-gathers for a forward: a decoder layer (/tp) or the
-    root module (embedding, final norm, lm_head or score: replicated over tp)."""
+def largest_fsdp_unit(spec: ModelSpec, tp: int, lora_per_layer: int = 0) -> int:
+    """Parameters of the largest FSDP2 unit one rank all-gathers for a forward: a decoder layer (/tp, with its
+    `lora_per_layer` adapter parameters) or the root module (embedding, final norm, lm_head or score:
+    replicated over tp)."""
     layer = [t for t in hf_tensors(spec) if t.layer == 0]
-    local_layer = sum(_on_tp_rank(t, spec, tp, vocab_parallel=False) for t in layer)
+    local_layer = sum(_on_tp_rank(t, spec, tp, vocab_parallel=False) for t in layer) + lora_per_layer
     root = total_params(spec) - spec.num_layers * sum(math.prod(t.shape) for t in layer)
     return max(local_layer, root)
+
+
+def lora_layer_params(spec: ModelSpec, targets: list[str], rank: int, tp: int) -> int:
+    """LoRA adapter parameters of one decoder layer on one tensor-parallel rank: A [rank, in] and B [out, rank] per
+    targeted HF linear (leaf names, models/lora.py). Column-parallel layers (q, k, v, gate, up: split on out) keep
+    A whole and B / tp; row-parallel ones (o_proj, down_proj: split on in) A / tp and B whole. Both back ends
+    place them so (Megatron: one adapter per HF projection on its fused linear_qkv / linear_fc1)."""
+    n = 0
+    for t in hf_tensors(spec):
+        leaf = t.name.split(".")[-2]
+        if t.layer == 0 and t.name.endswith(".weight") and leaf in targets:
+            out, inp = t.shape
+            n += rank * inp // tp + out * rank if t.kind == "col" else rank * inp + out * rank // tp
+    return n

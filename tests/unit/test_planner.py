@@ -359,3 +359,113 @@ def test_known_models_are_sized_like_their_published_configs():
     sizes = {name: total_params(decoder_spec(hf_config(f"/x/{name}", "k"), False, megatron=False))
              for name in KNOWN_MODELS}
     assert sizes["qwen2.5-1.5b"] == 1_543_714_304 and sizes["llama-3.3-70b"] == 70_553_706_496
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+LORA = ["policy.lora.enabled=true", "policy.lora.rank=4", "policy.lora.alpha=8"]
+# one layer's adapters on one of TP 2 ranks, rank 4: column-parallel (q, k, v, gate, up) A [4, in] whole,
+# B [out, 4] / 2; row-parallel (o, down) A / 2, B whole
+LORA_Q, LORA_KV = 4 * 256 + 256 * 4 // 2, 4 * 256 + 128 * 4 // 2
+LORA_O, LORA_GATE_UP, LORA_DOWN = 4 * 256 // 2 + 256 * 4, 4 * 256 + 512 * 4 // 2, 4 * 512 // 2 + 256 * 4
+LORA_LAYER = LORA_Q + 2 * LORA_KV + LORA_O + 2 * LORA_GATE_UP + LORA_DOWN
+assert LORA_LAYER == 11776
+DTYPE = {"bfloat16": 2, "float32": 4}
+
+
+def test_lora_adapters_are_peft_s():
+    """At TP 1 the planner's adapter count is what peft puts on the HF model."""
+    import peft
+    from transformers import LlamaForCausalLM
+
+    from nemo_grpo.config import LoraConfig
+    from nemo_grpo.models.lora import LINEAR_LAYERS, peft_config
+    from nemo_grpo.planning.params import lora_layer_params
+
+    with torch.device("meta"):
+        model = peft.get_peft_model(LlamaForCausalLM(_llama()), peft_config(LoraConfig(enabled=True, rank=4)))
+    adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    spec = decoder_spec(_llama(), False)
+    a_in, b_out = 6 * 256 + 512, 256 + 128 + 128 + 256 + 512 + 512 + 256  # A [4, in] and B [out, 4] of each
+    assert adapters == 2 * lora_layer_params(spec, list(LINEAR_LAYERS), 4, tp=1) == 2 * 4 * (a_in + b_out)
+
+
+@pytest.mark.parametrize("distributed", [True, False])
+def test_megatron_lora_figures_by_hand(small_model_dir, distributed):
+    """TP 2 x PP 2 x DP 2, bf16, LoRA rank 4 on every linear: the frozen base of a stage in bf16 alone, whole on
+    each DP rank; the stage's adapters (1 layer) with fp32 masters and Adam moments (/ dp 2 with the distributed
+    optimizer) and fp32 gradients; activations as without LoRA."""
+    _, _, memory = plan_recipe(None, [f"policy.model_name={small_model_dir}", *MEGATRON_BY_HAND, *LORA,
+                                      f"policy.megatron_cfg.use_distributed_optimizer={str(distributed).lower()}"])
+    _, _, full = plan_recipe(None, [f"policy.model_name={small_model_dir}", *MEGATRON_BY_HAND])
+    a, dp = LORA_LAYER, " / dp 2" if distributed else ""
+    shards = 2 if distributed else 1
+    stage0 = _rows(memory, 0, 0, "training")
+    assert stage0 == {"frozen base weights (bfloat16)": 2 * N0, "LoRA adapters (bfloat16)": 2 * a,
+                      f"LoRA fp32 master weights{dp}": 4 * a / shards, "LoRA gradients (fp32)": 4 * a,
+                      f"LoRA optimizer state (adamw: 2 x fp32{dp})": 2 * 4 * a / shards,
+                      "activations (2 x 64 tok)": _rows(full, 0, 0, "training")["activations (2 x 64 tok)"],
+                      "runtime reserve": RUNTIME_RESERVE_GIB * GIB}
+    n1 = N0 + 256  # stage 1: the final norm and the lm_head instead of the embedding
+    stage1 = _rows(memory, 0, 1, "training")
+    assert stage1["frozen base weights (bfloat16)"] == 2 * n1 and stage1["LoRA adapters (bfloat16)"] == 2 * a
+    assert stage1["logits"] == _rows(full, 0, 1, "training")["logits"]
+    assert _rows(memory, 0, 0, "log-prob forward")["frozen base weights (bfloat16)"] == 2 * N0
+    assert "LoRA rank 4" in memory.roles[0].layout and memory.problems() == []
+
+
+@pytest.mark.parametrize("precision,targets,per_layer", [
+    ("bfloat16", "[]", LORA_LAYER), ("float32", "[q_proj,down_proj]", LORA_Q + LORA_DOWN)])
+def test_dtensor_lora_figures_by_hand(small_model_dir, precision, targets, per_layer):
+    """FSDP 4 x TP 2, LoRA rank 4: the frozen base in fp32 (FSDP2 keeps fp32 parameters), sharded over dp 4 (no
+    gradients, no moments); the adapters (split over TP as on Megatron) in fp32 with fp32 gradients and Adam, sharded too."""
+    _, _, memory = plan_recipe(None, [f"policy.model_name={small_model_dir}", "cluster.gpus_per_node=8",
+                                      "policy.dtensor_cfg.tensor_parallel_size=2", "policy.generation.backend=torch",
+                                      f"policy.precision={precision}", *LORA, f"policy.lora.target_modules={targets}"])
+    split_layer = (256 + 128 + 128) * 256 // 2 + 256 * 256 // 2 + 3 * 512 * 256 // 2 + 2 * 256
+    n, a, b = (2 * split_layer + 2 * 1000 * 256 + 256) // 4, 2 * per_layer // 4, DTYPE[precision]
+    train = _rows(memory, 0, 0, "training")
+    assert {k: v for k, v in train.items() if not k.startswith(("activations", "logits", "runtime"))} == {
+        "frozen base weights (fp32, FSDP shards)": 4 * n, "LoRA adapters (fp32, FSDP shards)": 4 * a,
+        f"gathered units ({precision}, x2)": (2 * 1000 * 256 + 256) * b * 2,  # the root: embedding, head
+        "LoRA gradients (fp32, FSDP shards)": 4 * a, "LoRA optimizer state (adamw: 2 x fp32)": 8 * a}
+    assert _rows(memory, 0, 0, "loading (full fp32 model)")["full fp32 model before sharding"] == \
+        4 * total_params(decoder_spec(_llama(), False))
+    assert memory.problems() == []
+
+
+@pytest.mark.parametrize("backend", ["megatron", "dtensor"])
+def test_lora_reference_policy_keeps_no_copy(small_model_dir, backend):
+    """With a KL penalty the full-parameter reference is a host copy of each rank's weights; with LoRA it is the
+    base with the adapters disabled: no copy."""
+    layout = MEGATRON_BY_HAND if backend == "megatron" else [
+        "cluster.gpus_per_node=8", "policy.generation.backend=torch", "policy.train_micro_batch_size=2"]
+    common = [f"policy.model_name={small_model_dir}", *layout, "loss_fn.reference_policy_kl_penalty=0.01"]
+    _, _, full = plan_recipe(None, common)
+    _, _, lora = plan_recipe(None, common + LORA)
+    n1 = N0 + 256  # Megatron's larger stage, in bf16; DTensor: fp32 shards of FSDP 8
+    assert full.roles[0].host_per_gpu["reference copy"] == (
+        2 * n1 if backend == "megatron" else 4 * -(-total_params(decoder_spec(_llama(), False)) // 8))
+    assert "reference copy" not in lora.roles[0].host_per_gpu
+    assert "reference model: the frozen base with the LoRA adapters disabled (no copy)" in lora.roles[0].notes
+
+
+def test_70B_lora_recipe_fits_one_node_where_full_training_does_not(capsys):
+    """Llama-3.3-70B, TP 8 on one node: LoRA keeps the bf16 base (70.55e9 / 8 x 2 bytes) and rank-16 adapters;
+    full-parameter training on the same layout needs masters, gradients and Adam for every weight."""
+    recipe = os.path.join(ROOT, "configs", "grpo_math_70B_lora_megatron.yaml")
+    cfg, resources, memory = plan_recipe(recipe, [])
+    assert cfg.cluster.num_nodes == 1 and resources.placements["policy"].world_size == 8
+    assert memory.problems() == [] and "reference copy" not in memory.roles[0].host_per_gpu
+    train = _rows(memory, 0, 0, "training")
+    spec = decoder_spec(hf_config(cfg.policy.model_name, "k"), False, 8, 1)
+    assert train["frozen base weights (bfloat16)"] == 2 * megatron_stage_params(spec, 8, 1, 0) == \
+        2 * ((70_553_706_496 - 161 * 8192) // 8 + 161 * 8192)  # the 161 norms whole, the rest / 8
+    layer = 16 * 8192 * 5 + 16 * (8192 + 1024 + 1024 + 28672 * 2) // 8 + 16 * (8192 + 28672) // 8 + 16 * 8192 * 2
+    assert train["LoRA adapters (bfloat16)"] == 2 * 80 * layer and 80 * layer == 90_112_000
+    assert train["LoRA optimizer state (adamw: 2 x fp32)"] == 8 * 80 * layer
+    assert not any(k.startswith(("fp32 master", "gradients", "optimizer")) for k in train)
+    assert plan_main(["--config", recipe, "policy.lora.enabled=false"]) == 1
+    err = capsys.readouterr().err
+    assert "does not fit: policy (megatron TP 8 x PP 1 x DP 1 = 8 GPUs on nodes 0" in err
+    assert "training needs 152.4 GiB per GPU > cluster.gpu_memory_gib 79.6" in err
+    assert "fp32 master weights 32.9, gradients (fp32) 32.9, optimizer state (adamw: 2 x fp32) 65.7" in err
