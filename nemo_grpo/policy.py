@@ -240,10 +240,10 @@ class Policy:
         """ObjectRefs; they resolve once every receiver has joined (call the receivers' join meanwhile)."""
         return self.group.run_all_async("join_weight_transfer", name, world_size, backend)
 
-    def send_weights_async(self, name: str) -> list:
+    def send_weights_async(self, name: str, first: int = 0) -> list:
         """ObjectRefs of every rank's send (rank 0's: {"bytes", "buckets", "seconds"}); the receivers must
         receive meanwhile."""
-        return self.group.run_all_async("send_weights", name)
+        return self.group.run_all_async("send_weights", name, first)
 
     def save_pretrained(self, path: str) -> None:
         """A Hugging Face directory (config, safetensors, tokenizer files) that from_pretrained loads."""
@@ -257,6 +257,11 @@ class Policy:
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """LoRA: every adapter, full, as CPU tensors under peft's saved keys."""
         return self.group.run_all("adapter_state")[0]
+
+    def optimizer_memory(self) -> dict[str, float]:
+        """Trainable parameter elements and optimizer-state bytes, summed over the ranks."""
+        per_rank = self.group.run_all("optimizer_memory")
+        return {k: sum(r[k] for r in per_rank) for k in per_rank[0]}
 
     def save_checkpoint(self, path: str) -> None:
         """Model + optimizer + scheduler + every rank's RNG state (torch.distributed.checkpoint) under `path`."""

@@ -118,6 +118,11 @@ class PolicyWorker(WeightSender, ABC):
     def _export_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Collective: full CPU tensors for `names` (meaningful on rank 0)."""
 
+    def _trained_names(self, names: list[str]) -> set[str]:
+        if not self.cfg.lora.enabled:
+            return set(names)
+        return lora.trained_names(names, lora.target_modules(self.cfg.lora))
+
     def _adapter_state(self) -> dict[str, torch.Tensor]:
         """Collective (LoRA): every adapter as a full CPU tensor under peft's key (models/lora.py), on rank 0."""
         raise NotImplementedError(f"{type(self).__name__} has no LoRA adapters")
@@ -184,6 +189,13 @@ class PolicyWorker(WeightSender, ABC):
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.data = p.data.to(device)
+
+    def optimizer_memory(self) -> dict[str, float]:
+        """This rank's trainable parameter elements and optimizer-state bytes (e.g. LoRA vs full, bench/lora.py)."""
+        state = sum(v.numel() * v.element_size() for s in self.optimizer.state.values() for k, v in s.items()
+                    if isinstance(v, torch.Tensor) and k != "step")
+        params = sum(p.numel() for g in self.optimizer.param_groups for p in g["params"])
+        return {"trainable_parameters": float(params), "optimizer_state_bytes": float(state)}
 
     # ------------------------------------------------------------------------------------------ checkpoint helpers
     def _save_rank_state(self, path: str, **extra: Any) -> None:

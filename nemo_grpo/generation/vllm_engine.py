@@ -57,10 +57,12 @@ from nemo_grpo.weights.receiver import WeightReceiver
 # accepts with insecure serialization allowed (the functions are ours, in this module)
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 CPU_TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # CPU, tensor_parallel_size > 1, unless the user set it
-# per-step INFO lines (prefix-cache resets) and one warning per refit that is expected with bucketed reloads:
-# layers without checkpoint tensors (rotary caches) keep their kernel tensors, which is what we want
+# per-step INFO lines (prefix-cache resets) and a warning per layer that a refit sends no tensor for, expected
+# with bucketed reloads: such layers (rotary caches; with LoRA, every layer without adapters after the first
+# refit) keep their kernel tensors, which is what we want. (A refit's names are checked against the engine's
+# checkpoint names when it is set up, so a full refit cannot leave a layer out.)
 QUIET_LOGGING = {"VLLM_LOGGING_LEVEL": "WARNING"}
-EXPECTED_RELOAD_WARNING = "RotaryEmbedding: Failed to load weights"
+EXPECTED_RELOAD_WARNING = ": Failed to load weights"
 CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when the caller has not set it: plenty for small models
 MAX_MODEL_LEN_CAP = 32768  # max_model_len = min(max_position_embeddings, this) unless given
 BUCKETS_IN_FLIGHT = 2  # refit buckets sent ahead of the one being loaded (bounds object-store use)
@@ -124,7 +126,7 @@ class VllmGenerationWorker(WeightReceiver):
         for key, value in QUIET_LOGGING.items():
             os.environ.setdefault(key, value)  # a user's VLLM_LOGGING_LEVEL wins
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            lambda record: record.getMessage() != EXPECTED_RELOAD_WARNING)
+            lambda record: not record.getMessage().endswith(EXPECTED_RELOAD_WARNING))
         torch.set_num_threads(num_threads)  # before vLLM's CPU worker disables set_num_threads
         self._init_weight_receiver(in_flight_updates)
         self._request_ids = itertools.count()

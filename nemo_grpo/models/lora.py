@@ -24,6 +24,8 @@ from nemo_grpo.errors import require
 # the linear layers of attention and MLP in the supported decoders (Llama, Qwen2, Qwen3): the default targets
 LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
+# the engine's layers (vLLM fuses q/k/v and gate/up): an adapter on one projection changes its whole layer
+ENGINE_LAYERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",))
 
 
 def target_modules(lora_cfg, prefix: str = "policy") -> list[str]:
@@ -59,6 +61,12 @@ def merged(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lor
     """W [out, in] + scale * B [out, r] @ A [r, in], computed in fp32, in W's dtype."""
     delta = lora_b.float() @ lora_a.float()
     return (weight.float() + lora_scale * delta).to(weight.dtype)
+
+
+def trained_names(names: list[str], targets: list[str]) -> set[str]:
+    """The HF tensors (weights and biases) of the engine layers that hold a target: what a refit sends again."""
+    leaves = {leaf for layer in ENGINE_LAYERS if set(layer) & set(targets) for leaf in layer}
+    return {n for n in names if n.rsplit(".", 2)[-2] in leaves}
 
 
 def peft_key(hf_module: str, which: str) -> str:

@@ -147,8 +147,9 @@ class WeightReceiver:
                                                                              receiver["device"])
         return wt.broadcast_async(receiver["group"], flats), flats
 
-    def receive_weights(self) -> int:
-        """One refit: receive every bucket of the plan and load it; returns the number of tensors loaded.
+    def receive_weights(self, first: int = 0) -> int:
+        """One refit: receive every bucket of the plan from index `first` on and load it; returns the number of
+        tensors loaded.
 
         After a failed load the remaining buckets are still received (and
         dropped), so the sender is not left waiting; the error is raised at the end.
@@ -157,9 +158,9 @@ class WeightReceiver:
             raise RuntimeError("receive_weights: not in a weight-transfer group (join_weight_transfer first)")
         with self._model_turn(refit=True):
             self._refits_mid_generation += self._generations > 0
-            return self._receive_all(self._receiver["plan"])
+            return self._receive_all(self._receiver["plan"], first)
 
-    def _receive_all(self, plan: list[list[TensorSpec]]) -> int:
+    def _receive_all(self, plan: list[list[TensorSpec]], first: int) -> int:
         """receive_weights' protocol, with the model to itself."""
         error: Optional[BaseException] = None
         loaded = 0
@@ -168,9 +169,9 @@ class WeightReceiver:
         except Exception as e:
             error = e
         try:
-            incoming = self._receive_async(0) if plan else None
-            for index, bucket in enumerate(plan):
-                works, flats = incoming
+            incoming = self._receive_async(first) if first < len(plan) else None
+            for index in range(first, len(plan)):
+                bucket, (works, flats) = plan[index], incoming
                 wt.wait(works)
                 if index + 1 < len(plan):  # bucket i + 1 arrives while bucket i is loaded
                     incoming = self._receive_async(index + 1)

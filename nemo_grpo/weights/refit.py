@@ -42,6 +42,7 @@ class SharedMemoryRefitter:
         self.name = f"refit-{uuid.uuid4().hex[:12]}"
         self.workers: Optional[list] = None  # the engine's actors, once the region is set up
         self.plan: list = []
+        self.first = 0  # the first bucket a refit sends: 0, then (LoRA) the first of what training changes
 
     def setup(self) -> None:
         """Plan in the engine's dtype, create the region, map it on the engine's workers, then on the policy."""
@@ -57,7 +58,7 @@ class SharedMemoryRefitter:
         plan = ray.put(info["plan"])
         ray.get([w.attach_weight_region.remote(info["path"], plan) for w in workers])
         self.policy.attach_weight_region(self.name, info["host"], info["path"])
-        self.workers, self.plan = workers, info["plan"]
+        self.workers, self.plan, self.trained_from = workers, info["plan"], info["trained_from"]
 
     def refit(self) -> dict[str, float]:
         import ray
@@ -67,7 +68,7 @@ class SharedMemoryRefitter:
         start = time.perf_counter()
         opened = [w.begin_refit.remote() for w in self.workers]
         writes, loads = [], []
-        for index in range(len(self.plan)):
+        for index in range(self.first, len(self.plan)):
             written = self.policy.write_weight_bucket_async(self.name, index)
             writes.append(written[0])
             loads += [w.load_region_bucket.remote(index, *written) for w in self.workers]
@@ -75,7 +76,8 @@ class SharedMemoryRefitter:
             ray.get(opened + loads)
         finally:
             ray.get([w.finish_refit.remote() for w in self.workers])  # always closed, so the engine can generate
-        return {"bytes": float(sum(ray.get(writes))), "buckets": float(len(self.plan)),
+        self.first = self.trained_from
+        return {"bytes": float(sum(ray.get(writes))), "buckets": float(len(writes)),
                 "seconds": time.perf_counter() - start}
 
     def close(self) -> None:
@@ -90,7 +92,7 @@ def close_transfer(refitter) -> None:
     if refitter.workers is not None:
         refitter.policy.close_weight_transfer(refitter.name)
         ray.get([w.close_weight_transfer.remote() for w in refitter.workers])
-        refitter.workers = None
+        refitter.workers, refitter.first = None, 0
 
 
 def engine_dtype(workers: list) -> str:
@@ -114,6 +116,7 @@ class CollectiveRefitter:
         self.name = f"refit-{uuid.uuid4().hex[:12]}"
         self.workers: Optional[list] = None  # the engine's actors, once the group is set up
         self.backend: Optional[str] = None
+        self.first = 0  # as SharedMemoryRefitter's
 
     def setup(self) -> None:
         """Plan on the policy, check the names on the engine, then everyone joins the group (once)."""
@@ -132,7 +135,7 @@ class CollectiveRefitter:
         joins += [w.join_weight_transfer.remote(info["host"], info["port"], rank, world, backend, plan,
                                                 self.timeout_s) for rank, w in enumerate(workers, start=1)]
         ray.get(joins)
-        self.workers, self.backend = workers, backend
+        self.workers, self.backend, self.trained_from = workers, backend, info["trained_from"]
 
     def refit(self) -> dict[str, float]:
         import ray
@@ -140,8 +143,8 @@ class CollectiveRefitter:
         if self.workers is None:
             self.setup()
         start = time.perf_counter()
-        sends = self.policy.send_weights_async(self.name)
-        receives = [w.receive_weights.remote() for w in self.workers]
+        sends = self.policy.send_weights_async(self.name, self.first)
+        receives = [w.receive_weights.remote(self.first) for w in self.workers]
         pending = sends + receives
         try:
             while pending:  # a failed member (a dead engine actor) raises at once, not after the others time out
@@ -151,6 +154,7 @@ class CollectiveRefitter:
             _raise_if_a_receiver_died(receives, DEAD_ACTOR_GRACE_S)
             raise
         sent = ray.get(sends[0])  # policy rank 0's {"bytes", "buckets", "seconds"}
+        self.first = self.trained_from
         return {"bytes": sent["bytes"], "buckets": sent["buckets"], "seconds": time.perf_counter() - start,
                 "send_seconds": sent["seconds"]}
 

@@ -43,6 +43,11 @@ class WeightSender:
     def _export_sizes(self) -> list[tuple[str, int]]:
         return [(s.name, s.nbytes) for s in self._export_specs()]
 
+    def _trained_names(self, names: list[str]) -> set[str]:
+        """The HF tensors a train step can change (all; LoRA: the engine's layers under adapters): later
+        refits send only these."""
+        return set(names)
+
     # ------------------------------------------------------------------------------------------ object store
     def plan_weight_export(self, bucket_size_mb: float) -> int:
         """Collective-free: group the HF state_dict into buckets of ~bucket_size_mb; returns the bucket count."""
@@ -87,20 +92,23 @@ class WeightSender:
         """Collective-free, on every rank: plan transfer `name`: the HF state_dict (tied aliases included, as
         in the export: vLLM's layerwise reload expects a tied lm_head.weight too) in buckets of ~bucket_size_mb,
         floating-point tensors in `dtype` (the engine's; None: as the policy holds them). Rank 0 creates the
-        shared region that holds the whole plan and returns {"host", "path", "plan"} (plan: lists of
-        TensorSpec); None on other ranks."""
+        shared region that holds the whole plan and returns {"host", "path", "plan", "trained_from"} (plan: lists
+        of TensorSpec; buckets from index trained_from on hold what a train step can change, those before it
+        what it cannot: refits after the first send only the former); None on other ranks."""
         import ray
 
-        specs = {s.name: s for s in self._export_specs()}
-        plan = [[specs[n] for n in names]
-                for names in plan_buckets(self._export_sizes(), bucket_size_mb * 1024 * 1024)]
-        plan = wt.cast_plan(plan, getattr(torch, dtype) if dtype else None)
+        specs, sizes, limit = {s.name: s for s in self._export_specs()}, self._export_sizes(), bucket_size_mb * 2**20
+        trained = self._trained_names([n for n, _ in sizes])
+        frozen = plan_buckets([(n, b) for n, b in sizes if n not in trained], limit)
+        names = frozen + plan_buckets([(n, b) for n, b in sizes if n in trained], limit)
+        plan = wt.cast_plan([[specs[n] for n in bucket] for bucket in names], getattr(torch, dtype) if dtype else None)
         transfer: dict[str, Any] = {"plan": plan, "region": None, "views": None, "group": None}
         self._transfers[name] = transfer
         if self.rank != 0:
             return None
         transfer["region"] = wt.SharedRegion.create(wt.region_nbytes(plan))
-        return {"host": ray.util.get_node_ip_address(), "path": transfer["region"].path, "plan": plan}
+        return {"host": ray.util.get_node_ip_address(), "path": transfer["region"].path, "plan": plan,
+                "trained_from": len(frozen)}
 
     def attach_weight_region(self, name: str, host: str, path: str) -> bool:
         """Collective: the ranks on rank 0's node (`host`) map the region; when all of them could (returned),
@@ -172,16 +180,16 @@ class WeightSender:
             transfer["group"] = wt.join_group("", 0, 0, world_size, backend, transfer["timeout_s"],
                                               store=transfer["store"])
 
-    def send_weights(self, name: str) -> Optional[dict[str, float]]:
-        """Collective on all ranks: every bucket of transfer `name` is written into the region and rank 0
-        broadcasts it, one flat buffer per dtype, while the next bucket is written. Rank 0 returns {"bytes",
-        "buckets", "seconds"}; None elsewhere."""
+    def send_weights(self, name: str, first: int = 0) -> Optional[dict[str, float]]:
+        """Collective on all ranks: every bucket of transfer `name` from index `first` on is written into the
+        region and rank 0 broadcasts it, one flat buffer per dtype, while the next bucket is written. Rank 0
+        returns {"bytes", "buckets", "seconds"}; None elsewhere."""
         transfer = self._transfers.get(name)
         if transfer is None:
             raise RuntimeError(f"send_weights: no weight transfer '{name}' (call open_weight_transfer first)")
         start, sent = time.perf_counter(), 0
         in_flight: tuple = ([], [])  # (works, buffers) of the broadcast under way: its buffers live until done
-        for index in range(len(transfer["plan"])):
+        for index in range(first, len(transfer["plan"])):
             sent += self.write_weight_bucket(name, index)
             if self.rank == 0:
                 flats = transfer["buffers"][index]
@@ -192,4 +200,5 @@ class WeightSender:
         wt.wait(in_flight[0])
         if self.rank != 0:
             return None
-        return {"bytes": float(sent), "buckets": float(len(transfer["plan"])), "seconds": time.perf_counter() - start}
+        return {"bytes": float(sent), "buckets": float(len(transfer["plan"]) - first),
+                "seconds": time.perf_counter() - start}

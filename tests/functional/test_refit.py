@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nemo_grpo.algorithms.kl import generation_mismatch_metrics
-from nemo_grpo.config import ClusterConfig, ColocatedConfig, PolicyConfig
+from nemo_grpo.config import ClusterConfig, ColocatedConfig, LoraConfig, PolicyConfig
 from nemo_grpo.weights.refit import CollectiveRefitter, SharedMemoryRefitter, make_refitter
 from nemo_grpo.generation.torch_engine import TorchGeneration
 from nemo_grpo.generation import vllm_available
@@ -193,3 +193,30 @@ def test_an_in_flight_refit_lands_mid_generation_and_the_engine_follows(policy, 
     finally:
         refitter.close()
         engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_lora_refits_after_the_first_send_only_layers_under_adapters(policy, setups, mode):
+    """A LoRA policy (adapters on q_proj and v_proj) on the same base model: its first refit sends everything,
+    later ones only the engine layers under adapters (vLLM's fused q/k/v, weights and biases), merged; the
+    engine then samples as the policy scores, and stays unchanged where no adapter is."""
+    pol, path = policy
+    engine, _ = setups(mode, "vllm" if vllm_available() else "torch")
+    cfg = dataclasses.replace(pol.cfg, lora=LoraConfig(enabled=True, rank=4, alpha=8.0,
+                                                       target_modules=["q_proj", "v_proj"]))
+    with Policy(cfg, ClusterConfig(gpus_per_node=1, num_nodes=1, num_threads_per_worker=1), path) as lora_policy:
+        gen_cfg = dataclasses.replace(cfg.generation, colocated=ColocatedConfig(enabled=MODES[mode]))
+        refitter = make_refitter(lora_policy, engine, gen_cfg)
+        first = refitter.refit()
+        for step in range(2):
+            lora_policy.train(target_batch(seed=zlib.crc32(f"lora-{mode}-{step}".encode())), TargetLoss())
+            later = refitter.refit()
+            diff, synced = sampled_vs_policy(engine, lora_policy, seed=step)
+            assert diff <= 1e-4 and abs(synced["token_mult_prob_error"] - 1.0) < 1e-3, (diff, synced)
+        refitter.close()
+    trained = {n for bucket in refitter.plan[refitter.trained_from:] for n in (s.name for s in bucket)} \
+        if isinstance(refitter, SharedMemoryRefitter) else None
+    assert later["buckets"] < first["buckets"] and later["bytes"] < first["bytes"] / 2, (first, later)
+    if trained is not None:
+        assert trained == {f"model.layers.{i}.self_attn.{p}_proj.{w}" for i in range(2) for p in "qkv"
+                           for w in ("weight", "bias")}

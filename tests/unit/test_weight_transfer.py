@@ -190,7 +190,7 @@ class Stepper(WeightReceiver):
                     self.seen.append(self.version)
                     time.sleep(0.001)
 
-    def _receive_all(self, plan) -> int:
+    def _receive_all(self, plan, first) -> int:
         self.version += 1
         return 1
 
