@@ -124,3 +124,20 @@ def test_objective_learns(tmp_path, objective):
     assert len(rewards) == OBJECTIVE_STEPS and last - first >= 0.15, (first, last)
     if objective != "dr_grpo":  # the off-policy step clipped something: the objective's own clip ran
         assert max(r["clip_fraction"] for r in train) > 0
+
+
+@pytest.mark.slow
+def test_lora_recipe_learns(tmp_path):
+    """configs/grpo_tiny_lora_cpu.yaml (rank 8 on every linear layer) raises its reward, and the engine samples from
+    the merged policy after every refit, the later ones sending only the layers under adapters. Measured gains
+    (last 10 steps - first 10) at 200 steps, seed 42: lr 1e-3 +0.11, 2e-3 (the recipe's) +0.15, 3e-3 +0.09,
+    5e-3 -0.18 (collapses); the full-parameter run +0.19. The criterion: >= +0.10 at 200 steps."""
+    run_train(tmp_path, "policy.train_global_batch_size=64", f"grpo.max_num_steps={OBJECTIVE_STEPS}",
+              "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.enabled=false",
+              "logger.plot=false", config="configs/grpo_tiny_lora_cpu.yaml")
+    train = read_metrics(f"{tmp_path}/logs", "train")
+    rewards = [r["reward"] for r in train]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"LoRA: reward first10={first:.3f} last10={last:.3f}")
+    assert len(rewards) == OBJECTIVE_STEPS and last - first >= 0.10, (first, last)
+    assert all(abs(r["token_mult_prob_error"] - 1.0) < 1e-3 for r in train)
