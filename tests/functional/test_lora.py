@@ -18,11 +18,15 @@ def dtensor_lora_policy(path: str, cluster=CLUSTER, **overrides) -> Policy:
     return Policy(lora_policy_config(path, "dtensor", **overrides), cluster, path, init_reference=True)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+LAYOUTS = {"dp2_recompute": {"dtensor_cfg.activation_checkpointing": True},
+           "tp2": {"dtensor_cfg.tensor_parallel_size": 2}}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_dtensor_lora_step_matches_peft(ray_cluster, tiny_model_dir, layout):
+    """Qwen3 (GQA, q/k norms): FSDP2 over 2 ranks with activation checkpointing, and TP=2."""
     path = tiny_model_dir("qwen3", num_key_value_heads=2)
-    tp = {"dtensor_cfg.tensor_parallel_size": 2} if layout == "tp2" else {}
-    with dtensor_lora_policy(path, **tp) as policy:
+    with dtensor_lora_policy(path, **LAYOUTS[layout]) as policy:
         check_lora_step(policy, path, make_batch(8, seed=3))
 
 
