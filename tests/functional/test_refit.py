@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nemo_grpo.algorithms.kl import generation_mismatch_metrics
-from nemo_grpo.config import ClusterConfig, ColocatedConfig, LoraConfig, PolicyConfig
+from nemo_grpo.config import ClusterConfig, ColocatedConfig, DTensorConfig, LoraConfig, PolicyConfig
 from nemo_grpo.weights.refit import CollectiveRefitter, SharedMemoryRefitter, make_refitter
 from nemo_grpo.generation.torch_engine import TorchGeneration
 from nemo_grpo.generation import vllm_available
@@ -197,14 +197,15 @@ def test_an_in_flight_refit_lands_mid_generation_and_the_engine_follows(policy, 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_lora_refits_after_the_first_send_only_layers_under_adapters(policy, setups, mode):
-    """A LoRA policy (adapters on q_proj and v_proj) on the same base model: its first refit sends everything,
+    """A LoRA policy (TP=2, adapters on q_proj and v_proj) on the same base model: its first refit sends everything,
     later ones only the engine layers under adapters (vLLM's fused q/k/v, weights and biases), merged; the
     engine then samples as the policy scores, and stays unchanged where no adapter is."""
     pol, path = policy
     engine, _ = setups(mode, "vllm" if vllm_available() else "torch")
     cfg = dataclasses.replace(pol.cfg, lora=LoraConfig(enabled=True, rank=4, alpha=8.0,
-                                                       target_modules=["q_proj", "v_proj"]))
-    with Policy(cfg, ClusterConfig(gpus_per_node=1, num_nodes=1, num_threads_per_worker=1), path) as lora_policy:
+                                                       target_modules=["q_proj", "v_proj"]),
+                              dtensor_cfg=DTensorConfig(tensor_parallel_size=2))
+    with Policy(cfg, CLUSTER, path) as lora_policy:  # TP=2: each rank merges its own shards in place
         gen_cfg = dataclasses.replace(cfg.generation, colocated=ColocatedConfig(enabled=MODES[mode]))
         refitter = make_refitter(lora_policy, engine, gen_cfg)
         first = refitter.refit()

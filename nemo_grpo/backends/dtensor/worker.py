@@ -154,29 +154,31 @@ class DTensorPolicyWorker(PolicyWorker):
     def _write_bucket(self, bucket: list[TensorSpec], views: Optional[dict[str, torch.Tensor]],
                       in_place: bool) -> None:
         """In place: every rank copies (and casts) its own shard of each tensor into its slice of the full view,
-        then all wait for each other; no gather. A shard replicated over tp is written by tp rank 0 only."""
+        then all wait for each other; no gather of weights. A shard replicated over tp is written by tp rank 0
+        only. LoRA: the rank-r adapters are gathered (small) and each rank merges its own shard,
+        W[rows, cols] + scale * B[rows] @ A[:, cols]."""
+        if not in_place:
+            return super()._write_bucket(bucket, views, in_place)
         state = self.model.state_dict()
         keys = self._hf_keys(state)
-        merged = [s for s in bucket if peft_lora.adapter_keys(keys[s.name]) is not None]
-        if not in_place or merged:  # (LoRA: rank 0 merges the gathered tensors and writes them)
-            super()._write_bucket(merged if in_place else bucket, views, False)
-            if not in_place:
-                return
         for spec in bucket:
-            if spec in merged:
-                continue
-            target = views[spec.name]
             source = state[keys[spec.name]].detach()
+            adapters = peft_lora.adapter_keys(keys[spec.name])
+            a, b = (par.full_tensor(state[k].detach()) for k in adapters) if adapters else (None, None)
             if not isinstance(source, DTensor):
-                if self.rank == 0:
-                    target.copy_(source)
+                shape, offset = tuple(source.shape), (0,) * source.dim()
+                if self.rank != 0:
+                    continue
+            elif self._writes_shard(source):
+                shape, offset = compute_local_shape_and_global_offset(source.shape, source.device_mesh,
+                                                                      source.placements)
+                source = source.to_local()
+            else:
                 continue
-            if not self._writes_shard(source):
-                continue
-            shape, offset = compute_local_shape_and_global_offset(source.shape, source.device_mesh,
-                                                                  source.placements)
             if all(n > 0 for n in shape):
-                target[tuple(slice(o, o + n) for o, n in zip(offset, shape))].copy_(source.to_local())
+                rows, cols = (slice(o, o + n) for o, n in zip(offset, shape)) if a is not None else (None, None)
+                local = source if a is None else lora.merged(source, a[:, cols], b[rows], lora.scale(self.cfg.lora))
+                views[spec.name][tuple(slice(o, o + n) for o, n in zip(offset, shape))].copy_(local)
         dist.barrier()
 
     def _writes_shard(self, t: DTensor) -> bool:
