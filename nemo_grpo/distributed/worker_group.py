@@ -29,14 +29,25 @@ log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0
 
 
+STORE_PORTS = range(20000, 32768)  # below Linux's ephemeral range (32768-60999), where outgoing connections bind
+
+
 def _node_address_and_free_port() -> tuple[str, int]:
-    """(IP of this node, a TCP port free on it right now): run in bundle 0, i.e. on rank 0's node."""
+    """(IP of this node, a TCP port free on it right now): run in bundle 0, i.e. on rank 0's node. The port is
+    drawn below the ephemeral range: a port the OS hands out (bind to 0) may be taken by any outgoing connection
+    before rank 0's store binds it (seen: EADDRINUSE when many process groups come and go)."""
+    import random
+
     import ray
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    for port in random.sample(STORE_PORTS, 64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return ray.util.get_node_ip_address(), port
+    raise RuntimeError(f"no free TCP port in {STORE_PORTS.start}-{STORE_PORTS.stop - 1} on this node after 64 tries")
 
 
 def pin_threads() -> int:
