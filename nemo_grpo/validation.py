@@ -133,6 +133,9 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy") -> Non
               f"got {m.context_parallel_size}; context parallelism is not built yet: only 1 is supported")
         _choice(m.layer_spec, key + "layer_spec", ["local", "transformer_engine"])
         _choice(m.attention_backend, key + "attention_backend", ["sdpa", "unfused"])
+        _need(not p.lora.enabled or m.layer_spec == "local", key + "layer_spec",
+              "LoRA (policy.lora.enabled) adapts the local layer spec's linears only; Transformer Engine's fused "
+              "norm + linear layers have no adapters: use local")
         _need(m.layer_spec == "local" or importlib.util.find_spec("transformer_engine") is not None,
               key + "layer_spec", "transformer_engine needs Transformer Engine installed (the gpu extra); use local")
 

@@ -14,6 +14,7 @@ Adapter state (`adapter_state`) uses peft's saved keys: `base_model.model.<HF mo
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Iterator
 
@@ -67,6 +68,17 @@ def trained_names(names: list[str], targets: list[str]) -> set[str]:
     """The HF tensors (weights and biases) of the engine layers that hold a target: what a refit sends again."""
     leaves = {leaf for layer in ENGINE_LAYERS if set(layer) & set(targets) for leaf in layer}
     return {n for n in names if n.rsplit(".", 2)[-2] in leaves}
+
+
+def initial_a(hf_module: str, shape: tuple, seed: int) -> torch.Tensor:
+    """A [r, in] of the adapter on `hf_module` ('model.layers.3.self_attn.q_proj'), initialised like peft's
+    (nn.Linear's Kaiming-uniform, a=sqrt(5)) from a generator seeded by (seed, layer, projection): the same on
+    both back ends at every layout."""
+    layer, leaf = int(hf_module.split(".")[2]), hf_module.rsplit(".", 1)[-1]
+    a = torch.empty(shape)
+    generator = torch.Generator().manual_seed(seed * 7919 + layer * 16 + LINEAR_LAYERS.index(leaf))
+    torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+    return a
 
 
 def peft_key(hf_module: str, which: str) -> str:

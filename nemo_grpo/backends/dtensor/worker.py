@@ -59,7 +59,7 @@ class DTensorPolicyWorker(PolicyWorker):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tied_aliases = _tied_aliases(model)
         if cfg.lora.enabled:
-            peft_lora.add_adapters(model, cfg.lora)
+            peft_lora.add_adapters(model, cfg.lora, self.seed)
         model.to(self.device)
         if tp > 1:
             par.apply_tensor_parallel(model, self.mesh["tp"])

@@ -5,6 +5,7 @@ nemo_grpo/models/spec.py: each HF tensor names the pipeline stage that owns it, 
 (stage-local name) that holds it and how it is split:
   copy   replicated over TP                          (norms, Qwen3 q/k norms, the scalar head)
   col    split along dim 1                           (o_proj -> linear_proj, down_proj -> linear_fc2)
+  rows   split along dim 0                           (LoRA's B of a column-parallel linear, mcore/lora.py)
   vocab  rows padded to the TP-divisible vocabulary, then split along dim 0 (embeddings, lm_head)
   q/k/v  fused into linear_qkv grouped per KV group: for group g the rows [q heads of g, k_g, v_g]; split dim 0
   gate/up  fused into linear_fc1; TP rank r holds [gate shard r; up shard r]
@@ -71,7 +72,7 @@ def entries(s: ModelSpec, pp: int = 1) -> list[Entry]:
     return [Entry(t.name, t.shape, pipeline_stage(t, s, pp), _mcore_name(t, s, pp), t.kind) for t in hf_tensors(s)]
 
 
-SPLIT_DIM = {"col": 1, "vocab": 0, "q": 0, "k": 0, "v": 0, "gate": 0, "up": 0}  # kinds split over TP
+SPLIT_DIM = {"col": 1, "rows": 0, "vocab": 0, "q": 0, "k": 0, "v": 0, "gate": 0, "up": 0}  # kinds split over TP
 
 
 def tp_split_dims(s: ModelSpec, pp: int, pp_rank: int) -> dict[str, int]:
@@ -94,12 +95,14 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: ModelSpec) ->
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
-def _shard(kind: str, full: list[torch.Tensor], s: ModelSpec, tp: int, r: int) -> torch.Tensor:
+def shard(kind: str, full: list[torch.Tensor], s: ModelSpec, tp: int, r: int) -> torch.Tensor:
     """Full HF tensor(s) of one Megatron parameter -> TP rank r's shard."""
     if kind == "copy":
         return full[0]
     if kind == "col":
         return full[0].chunk(tp, dim=1)[r]
+    if kind == "rows":
+        return full[0].chunk(tp, dim=0)[r]
     if kind == "vocab":
         x = full[0]
         x = torch.cat([x, x.new_zeros(s.padded_vocab - x.shape[0], *x.shape[1:])]) if s.padded_vocab > x.shape[0] else x
@@ -121,9 +124,9 @@ def to_megatron(get: Callable[[str], torch.Tensor], s: ModelSpec, tp: int, tp_ra
     out = {}
     for name, es in grouped.items():
         kind = {"q": "qkv", "gate": "fc1"}.get(es[0].kind, es[0].kind)
-        out[name] = _shard(kind, [get(e.hf) for e in es], s, tp, tp_rank).contiguous()
+        out[name] = shard(kind, [get(e.hf) for e in es], s, tp, tp_rank).contiguous()
     if s.tied and pp > 1 and pp_rank == pp - 1:  # the last stage's copy of the tied embedding
-        out["output_layer.weight"] = _shard("vocab", [get("model.embed_tokens.weight")], s, tp, tp_rank).contiguous()
+        out["output_layer.weight"] = shard("vocab", [get("model.embed_tokens.weight")], s, tp, tp_rank).contiguous()
     return out
 
 
@@ -134,6 +137,8 @@ def to_hf(e: Entry, shards: list[torch.Tensor], s: ModelSpec) -> torch.Tensor:
         return shards[0]
     if e.kind == "col":
         return torch.cat(shards, dim=1)
+    if e.kind == "rows":
+        return torch.cat(shards, dim=0)
     if e.kind == "vocab":
         return torch.cat(shards, dim=0)[: s.vocab]
     if e.kind in ("gate", "up"):

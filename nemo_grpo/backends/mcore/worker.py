@@ -12,7 +12,9 @@ Only what differs from `PolicyWorker` is here:
 - the clipped norm counts every element once (TP duplicates and the last stage's tied copy skipped);
 - export: TP shards all-gathered on the owning stage, mapped to full HF tensors, sent to rank 0;
 - checkpoints: torch.distributed.checkpoint of HF-named full tensors (weights and optimizer moments), so a
-  checkpoint loads at any TP / PP / DP layout.
+  checkpoint loads at any TP / PP / DP layout;
+- LoRA (policy.lora): adapters on the targeted linears, the base frozen (lora.py); only trainable parameters
+  have main copies, gradients and optimizer state; export merges them, checkpoints hold the adapters only.
 Optimizer: a torch optimizer over the "main" parameters: the local shards themselves in fp32; in bf16, fp32
 master copies with fp32 gradient accumulation. use_distributed_optimizer: Megatron-Core's DistributedDataParallel
 (gradient buffers reduce-scattered over DP, overlapping the backward) and DistributedOptimizer (fp32 main weights
@@ -24,13 +26,14 @@ from __future__ import annotations
 import math
 import os
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from nemo_grpo.backends.mcore import shim, weights
 from nemo_grpo.backends.mcore.distopt import MegatronDistributedOptimizer, ShardedState
+from nemo_grpo.backends.mcore.lora import MegatronLora, parameters_by_name
 from nemo_grpo.backends.model_inputs import ModelInputs, natural_width
 from nemo_grpo.backends.worker import PolicyWorker, accumulate, loss_and_metrics
 from nemo_grpo.models.spec import CAUSAL_LM, SEQ_CLS, model_spec
@@ -74,23 +77,30 @@ class MegatronPolicyWorker(PolicyWorker):
                                     self.pp_rank)
         mmodel.load_local(model, local)
         mmodel.mark_tensor_parallel(model, weights.tp_split_dims(self.spec, pp, self.pp_rank))
+        self.adapters = None  # policy.lora: MegatronLora, the adapters on the targeted linears (base frozen)
+        if self.cfg.lora.enabled:
+            self.adapters = MegatronLora(model, self.spec, self.cfg.lora, self.mconfig, tp, self.tp_rank, pp,
+                                         self.pp_rank, self.seed)
+            local.update(self.adapters.initial)
         self.model = model
         self.rope_positions = mmodel.RotaryPositions(model)
-        self.params = dict(model.named_parameters())
+        self.params = parameters_by_name(model)
         self.dist_opt = None  # MegatronDistributedOptimizer with use_distributed_optimizer (_make_optimizer)
         self._initial_shards = local  # fp32, for the distributed optimizer's main weights; dropped once made
-        self.main = self.params if m.use_distributed_optimizer else self._main_params(local)
+        trainable = {n: p for n, p in self.params.items() if p.requires_grad}
+        self.main = trainable if m.use_distributed_optimizer else self._main_params(local, trainable)
         self.entries = {e.hf: e for e in weights.entries(self.spec, pp)}
         self.tied_aliases = weights.tied_aliases(self.spec)
 
-    def _main_params(self, local: dict[str, torch.Tensor]) -> dict[str, torch.nn.Parameter]:
-        """The tensors the optimizer steps, by Megatron name: the parameters themselves in fp32; in bf16, fp32
-        master copies made from the checkpoint's fp32 tensors, whose .grad accumulates each backward's bf16
-        gradient in fp32 (the bf16 .grad is dropped right after: Megatron's main_grad scheme)."""
+    def _main_params(self, local: dict[str, torch.Tensor], trainable: dict[str, torch.nn.Parameter]
+                     ) -> dict[str, torch.nn.Parameter]:
+        """The tensors the optimizer steps, by Megatron name: the trainable parameters themselves in fp32; in
+        bf16, fp32 master copies made from the checkpoint's fp32 tensors, whose .grad accumulates each
+        backward's bf16 gradient in fp32 (the bf16 .grad is dropped right after: Megatron's main_grad scheme)."""
         if self.mconfig.params_dtype == torch.float32:
-            return self.params
-        main = {n: torch.nn.Parameter(local[n].to(self.device, torch.float32)) for n in self.params}
-        for n, p in self.params.items():
+            return trainable
+        main = {n: torch.nn.Parameter(local[n].to(self.device, torch.float32)) for n in trainable}
+        for n, p in trainable.items():
             p.register_post_accumulate_grad_hook(partial(_accumulate_into, main[n]))
         return main
 
@@ -106,7 +116,7 @@ class MegatronPolicyWorker(PolicyWorker):
         with shim.device_context():
             self.dist_opt = MegatronDistributedOptimizer(self.model, self.mconfig, m.distributed_data_parallel_config,
                                                          self.cfg.optimizer, self.cfg.precision == "bfloat16")
-        self.sharded = ShardedState(self.dist_opt, self.params, ps.get_data_parallel_group())
+        self.sharded = ShardedState(self.dist_opt, self.main, ps.get_data_parallel_group())
         self.sharded.load(local, {}, {})
         return self.dist_opt.inner
 
@@ -117,18 +127,22 @@ class MegatronPolicyWorker(PolicyWorker):
         if self.dist_opt is not None:
             with shim.device_context():
                 self.dist_opt.after_step()
-        elif self.main is not self.params:
-            for n, p in self.params.items():
-                p.copy_(self.main[n])
+        elif self.mconfig.params_dtype != torch.float32:
+            for n, main in self.main.items():
+                self.params[n].copy_(main)
 
     def _move_parameters(self, device: torch.device) -> None:
         """Offload / onload on GPUs. The distributed optimizer's parameters and gradients live in DDP's buffers,
         which move as buffers (the parameters, and the fp32 main shards of fp32 parameters, stay views into
-        them); the fp32 main shards of bf16 parameters are tensors of their own."""
+        them); the fp32 main shards of bf16 parameters and frozen parameters (LoRA's base) are tensors of
+        their own."""
         if self.dist_opt is None:
             return super()._move_parameters(device)
         for buffer in self.dist_opt.ddp.buffers:
             buffer.offload_to_cpu() if device.type == "cpu" else buffer.reload_from_cpu()
+        for p in self.params.values():
+            if not p.requires_grad:
+                p.data = p.data.to(device)
         for group in self.dist_opt.optimizer.shard_fp32_from_float16_groups:
             for main in group:
                 main.data = main.data.to(device)
@@ -265,18 +279,19 @@ class MegatronPolicyWorker(PolicyWorker):
                 return self.dist_opt.reduce_gradients(before=self._model_parallel_grad_sums)
         self._model_parallel_grad_sums()
         if self.dp_size > 1:
-            _all_reduce_flat(self._grads(list(self.params)), ps.get_data_parallel_group())
+            _all_reduce_flat(self._grads(list(self.main)), ps.get_data_parallel_group())
 
     def _model_parallel_grad_sums(self) -> None:
-        """TP sum of the partial gradients of replicated parameters; the tied embedding's sum over its stages."""
+        """TP sum of the partial gradients of replicated parameters; the tied embedding's sum over its stages
+        (trainable parameters only)."""
         from megatron.core import parallel_state as ps
 
         if self.tp_size > 1:
-            names = [n for n, p in self.params.items()
-                     if any(k in n for k in REPLICATED_PARTIAL) or getattr(p, "sequence_parallel", False)]
+            names = [n for n in self.main if any(k in n for k in REPLICATED_PARTIAL)
+                     or getattr(self.params[n], "sequence_parallel", False)]
             _all_reduce_flat(self._grads(names), ps.get_tensor_model_parallel_group())
-        if self.spec.tied and self.pp_size > 1 and (self.pp_rank in (0, self.pp_size - 1)):
-            shared = "embedding.word_embeddings.weight" if self.pp_rank == 0 else "output_layer.weight"
+        shared = "embedding.word_embeddings.weight" if self.pp_rank == 0 else "output_layer.weight"
+        if self.spec.tied and self.pp_size > 1 and self.pp_rank in (0, self.pp_size - 1) and shared in self.main:
             dist.all_reduce(self._grads([shared])[0], group=ps.get_embedding_group())
 
     def _grad_norm(self) -> float:
@@ -288,10 +303,11 @@ class MegatronPolicyWorker(PolicyWorker):
             with shim.device_context():
                 return self.dist_opt.grad_norm()
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for n, p in self.params.items():
+        for n, main in self.main.items():
+            p = self.params[n]
             duplicate = getattr(p, "shared", False) or (
                 self.tp_rank > 0 and not getattr(p, "tensor_model_parallel", False))
-            grad = self.main[n].grad
+            grad = main.grad
             if grad is not None and not duplicate:
                 sq = sq + grad.detach().float().pow(2).sum()
         dist.all_reduce(sq, group=ps.get_model_parallel_group())
@@ -310,15 +326,17 @@ class MegatronPolicyWorker(PolicyWorker):
     def _export_specs(self) -> list[TensorSpec]:
         return [TensorSpec(e.hf, tuple(e.shape), torch.float32) for e in self.entries.values()]
 
-    def _gather_hf(self, names: list[str], local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Collective: full HF tensors for `names` from per-Megatron-parameter local tensors `local` (weights or
-        optimizer moments shaped like them); meaningful on rank 0. The owning stage's DP-rank-0 TP group
-        all-gathers, its TP rank 0 maps and sends to rank 0 when it is not rank 0 itself."""
+    def _gather_hf(self, names: list[str], local: dict[str, torch.Tensor],
+                   table: Optional[dict[str, weights.Entry]] = None) -> dict[str, torch.Tensor]:
+        """Collective: full HF tensors for `names` of `table` (default: the model's; LoRA adapters: peft's keys)
+        from per-Megatron-parameter local tensors `local` (weights or optimizer moments shaped like them);
+        meaningful on rank 0. The owning stage's DP-rank-0 TP group all-gathers, its TP rank 0 maps and sends to
+        rank 0 when it is not rank 0 itself."""
         from megatron.core import parallel_state as ps
 
         out, gathered = {}, {}
         for name in names:
-            e = self.entries[name]
+            e = (table or self.entries)[name]
             full = None
             if self.pp_rank == e.stage and self.dp_rank == 0:
                 if e.mcore not in gathered:
@@ -335,12 +353,24 @@ class MegatronPolicyWorker(PolicyWorker):
                 out[name] = full.to("cpu", copy=True)
         return out
 
-    def _export_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Full HF tensors of the main (in bf16: the fp32 master) weights; the distributed optimizer's bf16
-        masters are DP shards, summed into full tensors first."""
+    def _main_weights(self) -> dict[str, torch.Tensor]:
+        """Collective over DP: the trainable weights in fp32 by Megatron name, from the main (in bf16: the fp32
+        master) copies; the distributed optimizer's bf16 masters are DP shards, summed into full tensors."""
         if self.dist_opt is not None and self.cfg.precision == "bfloat16":
-            return self._gather_hf(names, self.sharded.main_weights())
-        return self._gather_hf(names, {n: p.detach() for n, p in self.main.items()})
+            return self.sharded.main_weights()
+        return {n: p.detach() for n, p in self.main.items()}
+
+    def _export_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Full HF tensors in fp32: trainable weights from _main_weights, frozen ones from the model; with LoRA
+        each targeted weight merged, W + scale * B A, on the local shard before the gather."""
+        local = self._main_weights()
+        local.update({n: p.detach().float() for n, p in self.params.items() if n not in local})
+        return self._gather_hf(names, self.adapters.merged(local) if self.adapters else local)
+
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        if self.adapters is None:
+            return super()._adapter_state()
+        return self._gather_hf(list(self.adapters.entries), self._main_weights(), self.adapters.entries)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _optimizer_moments(self) -> tuple[list[str], dict[str, Any]]:
@@ -361,17 +391,23 @@ class MegatronPolicyWorker(PolicyWorker):
         return {n: state[p][key] if p in state and key in state[p] else torch.zeros_like(p)
                 for n, p in self.main.items()}
 
+    def _checkpoint_table(self) -> dict[str, weights.Entry]:
+        """What a checkpoint holds, by name: the HF tensors; with LoRA the adapters under peft's keys only (the
+        frozen base is reloaded from the model directory)."""
+        return self.adapters.entries if self.adapters else self.entries
+
     def save_checkpoint(self, path: str) -> None:
         """DCP of HF-named full tensors: model/<name>, optim/<moment>/<name> (written from rank 0), plus a per-rank
         file with the scalar optimizer state, scheduler and RNG states. Loadable at any layout."""
         import torch.distributed.checkpoint as dcp
 
         os.makedirs(path, exist_ok=True)
-        names = list(self.entries)
-        state = {f"model/{k}": v for k, v in self._export_tensors(names).items()}
+        table = self._checkpoint_table()
+        state = {f"model/{k}": v for k, v in self._gather_hf(list(table), self._main_weights(), table).items()}
         moments, scalars = self._optimizer_moments()
         for key in moments:
-            state.update({f"optim/{key}/{k}": v for k, v in self._gather_hf(names, self._full_moment(key)).items()})
+            full = self._gather_hf(list(table), self._full_moment(key), table)
+            state.update({f"optim/{key}/{k}": v for k, v in full.items()})
         dcp.save(state if self.rank == 0 else {}, checkpoint_id=path)
         self._save_rank_state(path, moments=moments, scalars=scalars)
         dist.barrier()
@@ -382,14 +418,16 @@ class MegatronPolicyWorker(PolicyWorker):
         import torch.distributed.checkpoint as dcp
 
         extra = self._load_rank_state(path)
-        names = [e.hf for e in self.entries.values() if e.hf not in self.tied_aliases]
-        loaded = {f"model/{n}": torch.empty(self.entries[n].shape) for n in names}
+        table = self._checkpoint_table()
+        names = [n for n in table if n not in self.tied_aliases]
+        loaded = {f"model/{n}": torch.empty(table[n].shape) for n in names}
         for key in extra["moments"]:
-            loaded.update({f"optim/{key}/{n}": torch.empty(self.entries[n].shape) for n in names})
+            loaded.update({f"optim/{key}/{n}": torch.empty(table[n].shape) for n in names})
         dcp.load(loaded, checkpoint_id=path)
         m = self.cfg.megatron_cfg
-        shard = partial(weights.to_megatron, s=self.spec, tp=m.tensor_model_parallel_size, tp_rank=self.tp_rank,
-                        pp=m.pipeline_model_parallel_size, pp_rank=self.pp_rank)
+        shard = self.adapters.shard if self.adapters else partial(
+            weights.to_megatron, s=self.spec, tp=m.tensor_model_parallel_size, tp_rank=self.tp_rank,
+            pp=m.pipeline_model_parallel_size, pp_rank=self.pp_rank)
         local = shard(lambda name: loaded[f"model/{name}"])
         with torch.no_grad():
             for n, t in local.items():
