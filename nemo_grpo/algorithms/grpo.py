@@ -24,6 +24,7 @@ from nemo_grpo.algorithms.kl import generation_mismatch_metrics, sequence_kl
 from nemo_grpo.algorithms.losses import make_loss
 from nemo_grpo.algorithms.rollout import Sample, collate, run_rollouts
 from nemo_grpo.config import MasterConfig, to_yaml
+from nemo_grpo.models import lora
 from nemo_grpo.weights.refit import make_refitter
 from nemo_grpo.utils.timer import Timer
 
@@ -329,6 +330,7 @@ class GRPOTrainer:
         if path is None:
             return None
         info = self.checkpointer.load_training_info(path)
+        lora.check_resumable(self.checkpointer.load_config(path).get("policy", {}), self.cfg.policy.lora, path)
         self.policy.load_checkpoint(os.path.join(path, "policy"))
         self.state = GRPOState(step=info["step"], consumed_prompts=info["consumed_prompts"], loader=info["loader"],
                                val_metrics={k[len("val:"):]: v for k, v in info.get("metrics", {}).items()})

@@ -54,6 +54,21 @@ def validate_lora(lora_cfg, scalar_head: bool = False, prefix: str = "policy") -
     target_modules(lora_cfg, prefix)
 
 
+def check_resumable(saved_policy: dict, lora_cfg, checkpoint: str) -> None:
+    """A checkpoint holds what its run trained (adapters of one rank and set of targets, or every weight):
+    resuming it under another policy.lora is a ConfigError naming the key and both values. saved_policy: the
+    policy section of the checkpoint's config.yaml."""
+    from nemo_grpo.config import LoraConfig
+
+    saved, default = saved_policy.get("lora") or {}, LoraConfig()
+    keys = ("enabled", "rank", "target_modules", "exclude_modules") if lora_cfg.enabled and saved.get("enabled") \
+        else ("enabled",)
+    for key in keys:
+        was, now = saved.get(key, getattr(default, key)), getattr(lora_cfg, key)
+        require(was == now, f"policy.lora.{key}", f"{now!r}, but the checkpoint {checkpoint} was trained with "
+                f"{was!r}: resume with the same policy.lora, or start a run in a new checkpointing.checkpoint_dir")
+
+
 def scale(lora_cfg) -> float:
     return lora_cfg.alpha / lora_cfg.rank
 

@@ -159,6 +159,17 @@ class CheckpointManager:
         with open(info_path) as f:
             return json.load(f)
 
+    @staticmethod
+    def load_config(path: str) -> dict:
+        """The config.yaml the run saved in checkpoint `path` ({} when it saved none)."""
+        import yaml
+
+        config_path = os.path.join(path, CONFIG_YAML)
+        if not os.path.isfile(config_path):
+            return {}
+        with open(config_path) as f:
+            return yaml.safe_load(f) or {}
+
     # ------------------------------------------------------------------------------------------ internals
     def _check_root(self) -> None:
         """Create checkpoint_dir if needed; a clear error if it is not a writable directory."""
