@@ -149,6 +149,23 @@ def assert_step_metrics(metrics: dict, losses: list, norms: list, lrs: list, bat
     assert metrics["num_texts"] == pytest.approx(len(batch["text"]) / steps)
 
 
+def check_checkpoint_resumes(policy: Policy, open_other, batch: dict, ckpt: str, state=None) -> None:
+    """policy saves `ckpt` and trains a step; the policy `open_other()` makes (another layout) loads the checkpoint:
+    the same `state(policy)` (default: the HF export) exactly, the same log-probs, and its next step lands where
+    the saving policy's did (Adam moments and the warm-up schedule came back too)."""
+    state = state or export_state
+    policy.save_checkpoint(ckpt)
+    saved_lp, saved = policy.get_logprobs(batch), state(policy)
+    policy.train(batch, TokenPGLoss())
+    after_lp = policy.get_logprobs(batch)
+    with open_other() as other:
+        other.load_checkpoint(ckpt)
+        assert max_diff(state(other), saved) == 0.0
+        assert (other.get_logprobs(batch) - saved_lp).abs().max().item() <= 1e-5
+        other.train(batch, TokenPGLoss())
+        assert (other.get_logprobs(batch) - after_lp).abs().max().item() <= 1e-5
+
+
 def check_bf16_step(policy: Policy, path: str, batch: dict) -> None:
     """A bf16 policy (fp32 master weights): bf16 compute is really on and close to fp32 before and after a step."""
     start = export_state(policy)

@@ -12,7 +12,7 @@ import peft
 import pytest
 import torch
 from lora_checks import adapter_diff, check_lora_step, lora_policy_config
-from policy_checks import CLUSTER, TokenPGLoss, hf_logprobs, load_hf, make_batch
+from policy_checks import CLUSTER, TokenPGLoss, check_checkpoint_resumes, hf_logprobs, load_hf, make_batch
 from test_mcore_policy import LAYOUTS, MODELS
 
 from nemo_grpo.config import PolicyConfig
@@ -46,17 +46,8 @@ class TestTensorParallel:
 
     def test_checkpoint_resumes_at_tp1(self, tp_qwen3, tmp_path):
         policy, path = tp_qwen3
-        batch, ckpt = make_batch(4, seed=3), str(tmp_path / "ckpt")
-        policy.save_checkpoint(ckpt)
-        saved_lp, saved_adapters = policy.get_logprobs(batch), policy.adapter_state()
-        policy.train(batch, TokenPGLoss())
-        after_lp = policy.get_logprobs(batch)
-        with lora_policy(path, "tp1", train_micro_batch_size=2) as single:
-            single.load_checkpoint(ckpt)
-            assert adapter_diff(single.adapter_state(), saved_adapters) == 0.0
-            assert (single.get_logprobs(batch) - saved_lp).abs().max().item() <= 1e-5
-            single.train(batch, TokenPGLoss())  # Adam moments and the warm-up schedule came back too
-            assert (single.get_logprobs(batch) - after_lp).abs().max().item() <= 1e-5
+        check_checkpoint_resumes(policy, lambda: lora_policy(path, "tp1", train_micro_batch_size=2),
+                                 make_batch(4, seed=3), str(tmp_path / "ckpt"), state=Policy.adapter_state)
 
     def test_adapter_directory_loads_in_peft(self, tp_qwen3, tmp_path):
         policy, path = tp_qwen3

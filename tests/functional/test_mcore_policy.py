@@ -9,8 +9,9 @@ import os
 
 import pytest
 import torch
-from policy_checks import (CLUSTER, TokenPGLoss, assert_logprobs_match_hf, check_bf16_step, check_train_parity,
-                           export_state, hf_logprobs, load_hf, make_batch, max_diff, policy_config, reference_train)
+from policy_checks import (CLUSTER, TokenPGLoss, assert_logprobs_match_hf, check_bf16_step, check_checkpoint_resumes,
+                           check_train_parity, export_state, hf_logprobs, load_hf, make_batch, max_diff,
+                           policy_config, reference_train)
 from transformers import AutoModelForSequenceClassification
 
 from nemo_grpo.config import ClusterConfig
@@ -81,17 +82,8 @@ class TestTensorParallel:
 
     def test_checkpoint_resumes_at_tp1(self, tp_qwen3, tmp_path):
         policy, path = tp_qwen3
-        batch = make_batch(4, seed=3)
-        policy.save_checkpoint(str(tmp_path / "ckpt"))
-        saved_lp, saved_w = policy.get_logprobs(batch), export_state(policy)
-        policy.train(batch, TokenPGLoss())
-        after_lp = policy.get_logprobs(batch)
-        with megatron_policy(path, "tp1", train_micro_batch_size=2) as single:
-            single.load_checkpoint(str(tmp_path / "ckpt"))
-            assert max_diff(export_state(single), saved_w) == 0.0
-            assert (single.get_logprobs(batch) - saved_lp).abs().max().item() <= 1e-5
-            single.train(batch, TokenPGLoss())  # Adam moments and the warm-up schedule came back too
-            assert (single.get_logprobs(batch) - after_lp).abs().max().item() <= 1e-5
+        check_checkpoint_resumes(policy, lambda: megatron_policy(path, "tp1", train_micro_batch_size=2),
+                                 make_batch(4, seed=3), str(tmp_path / "ckpt"))
 
     def test_save_pretrained_loads_in_hf(self, tp_qwen3, tmp_path):
         policy, _ = tp_qwen3
