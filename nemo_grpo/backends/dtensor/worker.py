@@ -135,10 +135,10 @@ class DTensorPolicyWorker(PolicyWorker):
         for name in names:
             full = par.full_tensor(state[keys[name]].detach())
             adapters = peft_lora.adapter_keys(keys[name])
-            if adapters is not None:
-                a, b = (par.full_tensor(state[k].detach()) for k in adapters)
-                full = lora.merged(full, a, b, lora.scale(self.cfg.lora))
-            if self.rank == 0:
+            a, b = (par.full_tensor(state[k].detach()) for k in adapters) if adapters else (None, None)
+            if self.rank == 0:  # (only rank 0 keeps the tensor: only it merges)
+                if a is not None:
+                    full = lora.merged(full, a, b, lora.scale(self.cfg.lora))
                 out[name] = full.to("cpu", copy=True)
         return out
 
@@ -176,9 +176,10 @@ class DTensorPolicyWorker(PolicyWorker):
             else:
                 continue
             if all(n > 0 for n in shape):
-                rows, cols = (slice(o, o + n) for o, n in zip(offset, shape)) if a is not None else (None, None)
-                local = source if a is None else lora.merged(source, a[:, cols], b[rows], lora.scale(self.cfg.lora))
-                views[spec.name][tuple(slice(o, o + n) for o, n in zip(offset, shape))].copy_(local)
+                region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+                if a is not None:  # region = (rows, cols) of a linear weight
+                    source = lora.merged(source, a[:, region[1]], b[region[0]], lora.scale(self.cfg.lora))
+                views[spec.name][region].copy_(source)
         dist.barrier()
 
     def _writes_shard(self, t: DTensor) -> bool:
