@@ -107,8 +107,9 @@ def validate(cfg: MasterConfig, files: bool = True) -> None:
     _validate_data_env(cfg, files)
 
 
-def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy") -> None:
-    """The policy section's own values (not its layout, which needs the world size)."""
+def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy", scalar_head: bool = False) -> None:
+    """The policy section's own values (not its layout, which needs the world size); scalar_head: a reward
+    model's."""
     from nemo_grpo.backends import BACKENDS
 
     _choice(p.backend, f"{prefix}.backend", sorted(BACKENDS))
@@ -126,7 +127,7 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy") -> Non
     check_inactive_degrees(p.dtensor_cfg, m, prefix)
     _validate_dynamic_batching(p, prefix)
     _validate_sequence_packing(p, prefix)
-    validate_lora(p.lora, prefix=prefix)
+    validate_lora(p.lora, scalar_head, prefix)
     if p.backend == "megatron":
         key = f"{prefix}.megatron_cfg."
         _need(m.context_parallel_size == 1, key + "context_parallel_size",
@@ -369,8 +370,7 @@ def _validate_reward_model(r: RewardModelEnvConfig, world: int, files: bool = Tr
 def validate_rm_train(cfg: RMTrainConfig) -> None:
     """Keys, files and batch shapes (whole pairs in every micro-batch and data-parallel shard)."""
     p = cfg.policy
-    validate_policy(p, files=True)
-    validate_lora(p.lora, scalar_head=True)
+    validate_policy(p, files=True, scalar_head=True)
     _need(bool(cfg.data.train_data_path), "data.train_data_path", "is required (a JSONL of preference pairs)")
     _need_data_file(cfg.data.train_data_path, "data.train_data_path")
     _need_data_file(cfg.data.val_data_path, "data.val_data_path")

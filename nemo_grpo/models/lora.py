@@ -138,10 +138,7 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
             m.enable_adapters(True)
 
 
-def freeze_base(model: torch.nn.Module) -> int:
-    """requires_grad only on adapter weights (names with lora_A / lora_B); returns the trainable element count."""
-    trainable = 0
+def freeze_base(model: torch.nn.Module) -> None:
+    """requires_grad only on adapter weights (names with lora_A / lora_B)."""
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_A." in name or ".lora_B." in name)
-        trainable += p.numel() if p.requires_grad else 0
-    return trainable

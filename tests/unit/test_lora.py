@@ -44,3 +44,8 @@ def test_a_checkpoint_resumes_only_with_its_lora_layout(saved, now, key):
         lora.check_resumable(saved, now, "ckpt/step_4")
     lora.check_resumable({"lora": {**LoraConfig().__dict__, **saved.get("lora", {})}},
                          LoraConfig(**{**LoraConfig().__dict__, **saved.get("lora", {})}), "ckpt/step_4")
+
+
+def test_a_reward_model_trains_without_lora():
+    with pytest.raises(ConfigError, match="policy.lora.enabled'.*reward model"):
+        lora.validate_lora(LoraConfig(enabled=True), scalar_head=True)

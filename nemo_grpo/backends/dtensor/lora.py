@@ -21,9 +21,9 @@ ADAPTER = "default"  # peft's adapter name
 BASE_WEIGHT = ".base_layer.weight"
 
 
-def add_adapters(model: torch.nn.Module, lora_cfg, seed: int) -> int:
+def add_adapters(model: torch.nn.Module, lora_cfg, seed: int) -> None:
     """peft's LoRA layers on the targets of policy.lora, in place, A initialised as on Megatron (models/lora.py
-    initial_a), B zero; base frozen. Returns the trainable elements."""
+    initial_a), B zero; base frozen."""
     from peft import inject_adapter_in_model
 
     inject_adapter_in_model(lora.peft_config(lora_cfg), model, adapter_name=ADAPTER)
@@ -32,7 +32,7 @@ def add_adapters(model: torch.nn.Module, lora_cfg, seed: int) -> int:
             if name.endswith(lora.LINEAR_LAYERS) and hasattr(module, "lora_A"):
                 a = module.lora_A[ADAPTER].weight
                 a.copy_(lora.initial_a(name, tuple(a.shape), seed))
-    return lora.freeze_base(model)
+    lora.freeze_base(model)
 
 
 def is_adapter(key: str) -> bool:
