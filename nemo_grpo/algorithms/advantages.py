@@ -213,8 +213,10 @@ def reinforce_plus_plus_estimator(rewards, group_size, cfg, components=None, tok
 def gdpo_estimator(rewards, group_size, cfg, components=None, token_counts=None) -> torch.Tensor:
     """GDPO (NeMo RL's multi-reward estimator): each reward component [N] gets its own group-relative
     advantage (as `grpo_estimator`), they are summed with grpo.adv_estimator.reward_weights (sorted by
-    component name; null: all 1), and the sum is normalised over the batch. Normalising each component
-    within its groups keeps one reward's scale from drowning the others."""
+    component name; null: all 1), and the sum is normalised over the batch: (sum - mean) / std with the
+    sample (unbiased, N-1 denominator) std and no eps, as NeMo RL's GDPOAdvantageEstimator does; a batch of
+    equal sums is only centred. Normalising each component within its groups keeps one reward's scale from
+    drowning the others."""
     names = sorted(components or {})
     if len(names) < 2:
         raise ConfigError(f"config key 'grpo.adv_estimator.name': gdpo needs an environment that returns several "
@@ -224,5 +226,7 @@ def gdpo_estimator(rewards, group_size, cfg, components=None, token_counts=None)
     if len(weights) != len(names):
         raise ConfigError(f"config key 'grpo.adv_estimator.reward_weights': {len(weights)} weights for "
                           f"{len(names)} reward components {names} (one per component, in this order)")
-    total = sum(w * grpo_estimator(components[k], group_size, cfg) for w, k in zip(weights, names))
-    return _batch_normalize(total)
+    total = sum(w * grpo_estimator(components[k], group_size, cfg) for w, k in zip(weights, names))  # [N]
+    centred = total - total.mean()
+    std = total.std() if total.numel() > 1 else torch.zeros(())
+    return centred / std if std > 0 else centred

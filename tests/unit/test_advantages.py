@@ -195,9 +195,19 @@ def test_gdpo_normalises_each_component_in_its_groups_then_weighs_them():
     h = 3 ** 0.5 / 2
     total = [1.5 - h / 2, -0.5 - h / 2, -0.5 + h / 2, -0.5 + h / 2, 0.5 + 0.75, 0.5 - 0.25, 0.5 - 0.25, -1.5 - 0.25]
     mean = sum(total) / 8
-    std = (sum((x - mean) ** 2 for x in total) / 8) ** 0.5
+    std = (sum((x - mean) ** 2 for x in total) / 7) ** 0.5  # the sample std (N - 1), as NeMo RL
     cfg = _grpo("gdpo", reward_weights=[1.0, 0.5], normalize_rewards=True)
     _close(estimate_advantages(REWARDS, 4, cfg, components=comps), [(x - mean) / std for x in total], tol=1e-5)
+
+
+def test_gdpo_at_two_samples_divides_by_the_sample_std():
+    """N = 2: the population std would give +-1; the sample std gives +-1/sqrt(2) (NeMo RL's figures)."""
+    comps = {"a": torch.tensor([1.0, 0.0], dtype=F64), "b": torch.tensor([0.0, 0.0], dtype=F64)}
+    cfg = _grpo("gdpo", normalize_rewards=True)
+    _close(estimate_advantages(comps["a"], 2, cfg, components=comps), [0.5 ** 0.5, -(0.5 ** 0.5)])
+    # equal sums: centred, not divided
+    same = {"a": torch.tensor([1.0, 1.0], dtype=F64), "b": torch.tensor([0.0, 0.0], dtype=F64)}
+    _close(estimate_advantages(same["a"], 2, cfg, components=same), [0.0, 0.0])
 
 
 def test_gdpo_needs_several_components_and_one_weight_each():
