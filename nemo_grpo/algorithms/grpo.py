@@ -121,12 +121,15 @@ class GRPOTrainer:
                 self.engine.finish_generation()
                 self.policy.onload()
 
+    def _scaled_rewards(self, samples: list[Sample]) -> torch.Tensor:
+        """Rewards [N] scaled (grpo.reward_scaling), not yet shaped: what dynamic sampling filters on."""
+        return scale_rewards(torch.tensor([s.reward for s in samples]), self.cfg.grpo.reward_scaling)
+
     def _rewards(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Rewards [N] scaled (grpo.reward_scaling) then shaped (grpo.reward_shaping), and the scaled reward
         components {name: [N]} when the environment returns several."""
         g, gen = self.cfg.grpo, self.cfg.policy.generation
-        rewards = scale_rewards(torch.tensor([s.reward for s in samples]), g.reward_scaling)
-        rewards = shape_rewards(rewards, torch.tensor([s.response_length for s in samples]),
+        rewards = shape_rewards(self._scaled_rewards(samples), torch.tensor([s.response_length for s in samples]),
                                 torch.tensor([s.truncated for s in samples]), g.reward_shaping,
                                 max_response_length=gen.max_new_tokens * g.max_rollout_turns)
         names = sorted({k for s in samples for k in s.reward_components})
@@ -136,7 +139,9 @@ class GRPOTrainer:
 
     def collect(self, step: int, timer: Optional[Timer] = None) -> Rollouts:
         """Samples, rewards [N] and reward components for one step; with dynamic sampling, only groups whose
-        rewards differ, drawn over up to dynamic_sampling_max_gen_batches generation batches. Touches no
+        rewards differ before shaping (as DAPO and NeMo RL: a group of equally wrong answers of different
+        lengths is dropped, though the overlong penalty tells them apart; shaping still reaches the advantages),
+        drawn over up to dynamic_sampling_max_gen_batches generation batches. Touches no
         trainer state but the prompt loader (the async collector runs it in its own thread)."""
         g = self.cfg.grpo
         timer = timer or Timer()
@@ -156,7 +161,7 @@ class GRPOTrainer:
                                     timer=timer)
             raw_rewards += [s.reward for s in samples]
             if g.use_dynamic_sampling:
-                keep = dynamic_sampling_keep(self._rewards(samples)[0], G).tolist()
+                keep = dynamic_sampling_keep(self._scaled_rewards(samples), G).tolist()
                 samples = [s for i, k in enumerate(keep) if k for s in samples[i * G:(i + 1) * G]]
             kept += samples[: wanted * G - len(kept)]
             batches += 1

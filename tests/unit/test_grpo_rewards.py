@@ -80,3 +80,21 @@ def test_dynamic_sampling_gives_up_with_the_keys_to_raise():
     trainer._rollout = lambda datums, seed, timer=None: [sample("math", d, "x", 1.0) for d in datums]
     with pytest.raises(RuntimeError, match="0 of 2 prompts.*after 2 generation batches.*batch_multiplier"):
         trainer.collect(step=1)
+
+
+def test_dynamic_sampling_filters_on_the_reward_before_shaping():
+    """DAPO's overlong penalty on (buffer 2 of max_new_tokens 4): p0's two wrong answers differ only in length,
+    so only the shaped rewards differ; the group is dropped, and p1 (one right) is kept with shaped rewards."""
+    trainer = bare_trainer(grpo={"num_prompts_per_step": 1, "num_generations_per_prompt": 2,
+                                 "use_dynamic_sampling": True, "batch_multiplier": 2.0,
+                                 "reward_shaping": RewardShapingConfig(enabled=True, overlong_buffer_length=2,
+                                                                       overlong_buffer_penalty=1.0)})
+    trainer.cfg.policy.generation.max_new_tokens = 4
+    trainer.loader = Loader()
+    replies = {"p0": [("x", 0.0), ("xxxx", 0.0)], "p1": [("xxxx", 1.0), ("x", 0.0)]}
+    trainer._rollout = lambda datums, seed, timer=None: [sample("math", d, *replies[d][i % 2])
+                                                         for i, d in enumerate(datums)]
+    got = trainer.collect(step=1)
+    assert [s.datum.message_log[0]["content"] for s in got.samples] == ["p1", "p1"]
+    assert got.rewards.tolist() == [0.0, 0.0]  # 1 - 1 (4 tokens: 2 past the buffer's start, penalty 1); 0
+    assert got.stats["fraction_groups_kept"] == pytest.approx(0.5)
