@@ -66,11 +66,14 @@ def build_environments(cfg: MasterConfig, plan=None, groups: dict | None = None)
 
 def build_trainer(cfg: MasterConfig, *, log_to_driver: bool = True):
     """The GRPOTrainer of a validated config. What the user's input can break is checked first, cheapest first
-    (output directories, data files, then the model and its tokenizer), so a UserInputError comes before Ray
-    or any actor starts. log_to_driver=False leaves the Ray workers' output in Ray's session logs."""
+    (output directories, the checkpoint to resume, data files, then the model and its tokenizer), so a
+    UserInputError comes before Ray or any actor starts. log_to_driver=False leaves the Ray workers' output
+    in Ray's session logs."""
     from nemo_grpo.utils.checkpoint import CheckpointManager
 
     checkpointer = CheckpointManager(cfg.checkpointing)  # creates checkpoint_dir, checks that it is writable
+    if cfg.checkpointing.enabled and cfg.checkpointing.resume:
+        checkpointer.get_latest_checkpoint_path()  # file sizes only: a damaged newest warns, all damaged raises
     problems = load_datasets(cfg)
 
     import ray

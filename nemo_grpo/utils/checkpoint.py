@@ -2,8 +2,8 @@
 
 Layout of checkpointing.checkpoint_dir:
 
-    step_<N>/             a finalized checkpoint: training_info.json, config.yaml, and whatever the caller wrote
-                          (the policy's sharded state in policy/)
+    step_<N>/             a finalized checkpoint: training_info.json, config.yaml, whatever the caller wrote
+                          (the policy's sharded state in policy/), and manifest.json (every other file's size)
     tmp_step_<N>/         being written (init_tmp_checkpoint -> caller saves into it -> finalize_checkpoint)
     old_step_<N>/         a finalized step_<N> moved aside while a new step_<N> replaces it
     trash_step_<N>/       being deleted by retention
@@ -15,6 +15,10 @@ leaves every previously finalized checkpoint loadable and never makes a half-wri
 - crash while replacing an existing step_<N>: the old one is still there as old_step_<N> (or as step_<N>) and
   is put back (or dropped once the new one is in place) when the next manager starts;
 - crash while deleting: the directory was first renamed to trash_step_<N>, which nothing loads.
+
+A finalized checkpoint can still be damaged afterwards (a disk filled or a copy cut short): resuming
+(get_latest_checkpoint_path) checks the newest one against its manifest first (file sizes only, no read of the
+weights) and falls back to the newest one that checks out; see checkpoint_problem.
 
 Renames stay within checkpoint_dir, so they are atomic on one filesystem (POSIX rename). One writer per
 checkpoint_dir is assumed (the trainer's driver process); the policy's ranks write only inside policy/.
@@ -32,11 +36,15 @@ import tempfile
 from typing import Any, Optional
 
 from nemo_grpo.config import CheckpointingConfig, ConfigError
+from nemo_grpo.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
 TRAINING_INFO = "training_info.json"
 CONFIG_YAML = "config.yaml"
+MANIFEST = "manifest.json"  # relative path -> bytes of every other file, written by finalize_checkpoint
+FORMAT_KEY = "checkpoint_format"  # in training_info.json: 2 = this checkpoint was finalized with a manifest
+FORMAT = 2
 FINAL_PREFIX, TMP_PREFIX, OLD_PREFIX, TRASH_PREFIX = "step_", "tmp_step_", "old_step_", "trash_step_"
 _NAME = re.compile(r"^(step_|tmp_step_|old_step_|trash_step_)(\d+)$")
 
@@ -52,6 +60,76 @@ def _to_json(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _fsync_write_json(path: str, value: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2, default=_to_json)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _file_sizes(path: str) -> dict[str, int]:
+    """relative path ('policy/__0_0.distcp') -> bytes of every file under `path` except the manifest."""
+    sizes = {}
+    for folder, _, names in os.walk(path):
+        for name in names:
+            rel = os.path.relpath(os.path.join(folder, name), path).replace(os.sep, "/")
+            if rel != MANIFEST:
+                sizes[rel] = os.path.getsize(os.path.join(folder, name))
+    return sizes
+
+
+def _info_problem(path: str) -> tuple[Optional[dict], Optional[str]]:
+    """(training_info, None), or (None, what is wrong with it)."""
+    try:
+        with open(os.path.join(path, TRAINING_INFO)) as f:
+            info = json.load(f)
+    except OSError as e:
+        return None, f"{TRAINING_INFO} cannot be read ({e.strerror or e})"
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        return None, f"{TRAINING_INFO} is not valid JSON ({e})"
+    if not isinstance(info, dict) or not isinstance(info.get("step"), int):
+        return None, f"{TRAINING_INFO} is not an object with an integer 'step'"
+    return info, None
+
+
+def checkpoint_problem(path: str) -> Optional[str]:
+    """What is wrong with the finalized checkpoint `path` ("policy/__0_0.distcp: 1024 bytes, the manifest says
+    52311"), or None if it checks out. Checked: training_info.json parses (an object with an integer step),
+    manifest.json is there and parses, and every file it lists exists with the size it lists (sizes only: a
+    70B checkpoint is checked by a few thousand stat calls, its weights are not read). Files the manifest does
+    not list are ignored.
+
+    A checkpoint written before manifests existed (its training_info.json has no checkpoint_format) is
+    accepted unchecked when its training_info.json parses: it was renamed into place only once complete, so
+    refusing it would turn every upgrade mid-run into a lost run; a newer one without its manifest is damaged.
+    """
+    info, problem = _info_problem(path)
+    if problem is not None:
+        return problem
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
+        return f"{MANIFEST} is missing" if FORMAT_KEY in info else None
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            sizes = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST} cannot be read ({e})"
+    if not isinstance(sizes, dict) or not all(isinstance(n, int) for n in sizes.values()):
+        return f"{MANIFEST} is not an object of file sizes"
+    for rel, size in sorted(sizes.items()):
+        full = os.path.join(path, *rel.split("/"))
+        if not os.path.isfile(full):
+            return f"{rel} is missing"
+        actual = os.path.getsize(full)
+        if actual != size:
+            return f"{rel}: {actual} bytes, the manifest says {size}"
+    return None
+
+
+def _listed(damaged: list[tuple[str, str]]) -> str:
+    """'results/x/step_4 (policy/a.distcp is missing), results/x/step_2 (...)'"""
+    return ", ".join(f"{path} ({problem})" for path, problem in damaged)
 
 
 def _fsync_dir(path: str) -> None:
@@ -80,6 +158,7 @@ class CheckpointManager:
     def __init__(self, cfg: CheckpointingConfig):
         self.cfg = cfg
         self.root = os.path.abspath(cfg.checkpoint_dir)
+        self._reported: set[str] = set()  # the warnings get_latest_checkpoint_path has given
         if cfg.enabled:
             self._check_root()
             self._recover()
@@ -101,18 +180,16 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         tmp = os.path.join(self.root, f"{TMP_PREFIX}{step}")
         os.makedirs(tmp)
-        with open(os.path.join(tmp, TRAINING_INFO), "w") as f:
-            json.dump(training_info, f, indent=2, default=_to_json)
-            f.flush()
-            os.fsync(f.fileno())
+        _fsync_write_json(os.path.join(tmp, TRAINING_INFO), {**training_info, FORMAT_KEY: FORMAT})
         if config_yaml is not None:
             with open(os.path.join(tmp, CONFIG_YAML), "w") as f:
                 f.write(config_yaml)
         return tmp
 
     def finalize_checkpoint(self, tmp_path: str) -> str:
-        """Rename tmp_step_<N> to step_<N> (replacing an existing step_<N> without a moment in which neither
-        is a checkpoint), then apply keep_top_k retention. Returns the final path."""
+        """Write its manifest (every file's size), rename tmp_step_<N> to step_<N> (replacing an existing
+        step_<N> without a moment in which neither is a checkpoint), then apply keep_top_k retention. Returns
+        the final path."""
         tmp_path = os.path.abspath(tmp_path)
         parsed = _parse(os.path.basename(tmp_path))
         if os.path.dirname(tmp_path) != self.root or parsed is None or parsed[0] != TMP_PREFIX:
@@ -120,6 +197,7 @@ class CheckpointManager:
         if not os.path.isfile(os.path.join(tmp_path, TRAINING_INFO)):
             raise FileNotFoundError(f"{tmp_path} has no {TRAINING_INFO}: it was not made by init_tmp_checkpoint "
                                     f"or was already finalized")
+        _fsync_write_json(os.path.join(tmp_path, MANIFEST), _file_sizes(tmp_path))
         step = parsed[1]
         final = os.path.join(self.root, f"{FINAL_PREFIX}{step}")
         old = os.path.join(self.root, f"{OLD_PREFIX}{step}")
@@ -141,9 +219,23 @@ class CheckpointManager:
         return final
 
     def get_latest_checkpoint_path(self) -> Optional[str]:
-        """The finalized checkpoint with the highest step, or None if there is none (temporary dirs ignored)."""
+        """The finalized checkpoint with the highest step that checks out (checkpoint_problem), or None if there
+        is none (temporary dirs ignored). Newer damaged ones are skipped with one warning naming each and what
+        is wrong; if every checkpoint is damaged, a UserInputError names the directory and the remedy."""
         found = self._finalized()
-        return found[max(found)] if found else None
+        damaged = []  # ("results/x/step_4", what is wrong), newest first
+        for step in sorted(found, reverse=True):
+            problem = checkpoint_problem(found[step])
+            if problem is None:
+                self._report(damaged, found[step])
+                return found[step]
+            damaged.append((self._shown(found[step]), problem))
+        if damaged:
+            raise UserInputError(
+                f"config key 'checkpointing.checkpoint_dir': no checkpoint in {self.cfg.checkpoint_dir} can be "
+                f"resumed, each is damaged: {_listed(damaged)}; set checkpointing.resume=false to start over, "
+                "or move the damaged checkpoints away")
+        return None
 
     def list_checkpoints(self) -> dict[int, str]:
         """step -> path of every finalized checkpoint, ascending by step."""
@@ -185,6 +277,26 @@ class CheckpointManager:
             raise ConfigError(f"config key '{key}': {self.root} is not a writable directory "
                               f"({e.strerror or e})") from None
 
+    def _shown(self, path: str) -> str:
+        """A checkpoint's path as the user named its directory ("results/x/step_4")."""
+        return os.path.join(self.cfg.checkpoint_dir, os.path.basename(path))
+
+    def _report(self, damaged: list[tuple[str, str]], resumed: str) -> None:
+        """One warning for the damaged checkpoints skipped on the way to `resumed`, and one for a checkpoint
+        older than manifests (its files go unchecked); each said once per manager."""
+        messages = []
+        if damaged:
+            which = "checkpoint" if len(damaged) == 1 else "checkpoints"
+            verb = "is" if len(damaged) == 1 else "are"
+            messages.append(f"{which} {_listed(damaged)} {verb} damaged: resuming from {os.path.basename(resumed)}")
+        if not os.path.isfile(os.path.join(resumed, MANIFEST)):
+            messages.append(f"checkpoint {self._shown(resumed)} has no {MANIFEST} (written by an older version): "
+                            "resuming from it without checking its files")
+        for message in messages:
+            if message not in self._reported:
+                self._reported.add(message)
+                log.warning("%s", message)
+
     def _scan(self) -> dict[str, dict[int, str]]:
         """prefix -> {step: path} of every directory this module owns."""
         out: dict[str, dict[int, str]] = {p: {} for p in (FINAL_PREFIX, TMP_PREFIX, OLD_PREFIX, TRASH_PREFIX)}
@@ -198,11 +310,12 @@ class CheckpointManager:
         return out
 
     def _finalized(self) -> dict[int, str]:
-        """step -> path of complete checkpoints: step_<N>, or old_step_<N> where a replacement was cut short."""
+        """step -> path of finalized checkpoints: step_<N>, or old_step_<N> where a replacement was cut short.
+        A damaged one is listed too (only a finalized directory has these names): checkpoint_problem tells."""
         dirs = self._scan()
         found = {s: p for s, p in dirs[OLD_PREFIX].items() if s not in dirs[FINAL_PREFIX]}
         found.update(dirs[FINAL_PREFIX])
-        return {s: p for s, p in found.items() if os.path.isfile(os.path.join(p, TRAINING_INFO))}
+        return found
 
     def _recover(self) -> None:
         """Finish or undo a replacement of step_<N> that a crash interrupted."""
@@ -233,22 +346,24 @@ class CheckpointManager:
         return float(value)
 
     def _apply_retention(self) -> None:
-        """Keep the keep_top_k best by metrics[metric_name] plus the newest; delete the rest.
+        """Keep the keep_top_k best by metrics[metric_name] plus the newest intact one; delete the rest.
 
         Checkpoints without the metric (or with metric_name null) rank below every checkpoint that has it,
-        newer before older, so with no metric at all this keeps the newest keep_top_k.
+        newer before older, so with no metric at all this keeps the newest keep_top_k. Damaged checkpoints
+        (checkpoint_problem) rank below all of them and are never kept as the newest.
         """
         k = self.cfg.keep_top_k
         found = self._finalized()
         if k is None or len(found) <= k:
             return
         sign = 1.0 if self.cfg.higher_is_better else -1.0
+        intact = {step for step, path in found.items() if checkpoint_problem(path) is None}
 
         def rank(step: int) -> tuple:
-            value = self._metric(found[step])
-            return (value is not None, sign * value if value is not None else 0.0, step)
+            value = self._metric(found[step]) if step in intact else None
+            return (step in intact, value is not None, sign * value if value is not None else 0.0, step)
 
-        keep = set(sorted(found, key=rank, reverse=True)[:k]) | {max(found)}
+        keep = set(sorted(found, key=rank, reverse=True)[:k]) | ({max(intact)} if intact else set())
         for step in sorted(found):
             if step not in keep:
                 self._delete(found[step])

@@ -1,10 +1,13 @@
 """Checkpoint directories: atomic finalize, crash safety at every stage, top-k retention, directory errors."""
 
+import json
+import logging
 import os
 
 import pytest
 
 from nemo_grpo.config import CheckpointingConfig, ConfigError
+from nemo_grpo.errors import UserInputError
 from nemo_grpo.utils.checkpoint import CheckpointManager
 
 
@@ -38,8 +41,12 @@ def test_finalize_renames_tmp_into_place(tmp_path):
     final = m.finalize_checkpoint(tmp)
     assert final == str(tmp_path / "ckpt" / "step_3")
     assert not os.path.exists(tmp)
-    assert sorted(os.listdir(final)) == ["config.yaml", "policy", "training_info.json"]
-    assert m.load_training_info(final) == {"step": 3, "metrics": {}}
+    assert sorted(os.listdir(final)) == ["config.yaml", "manifest.json", "policy", "training_info.json"]
+    assert m.load_training_info(final) == {"step": 3, "metrics": {}, "checkpoint_format": 2}
+    with open(os.path.join(final, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest == {name: os.path.getsize(os.path.join(final, name))
+                        for name in ("config.yaml", "policy/shard_0.pt", "training_info.json")}
     assert _payload(final) == "weights"
 
 
@@ -157,3 +164,89 @@ def test_finalize_rejects_foreign_directories(tmp_path):
     with pytest.raises(ValueError, match="not a temporary checkpoint"):
         m.finalize_checkpoint(str(tmp_path))
     assert m.get_latest_checkpoint_path() is None
+
+
+# ----------------------------------------------------------------------------------------------- damaged checkpoints
+def _truncate(path: str, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+DAMAGE = {  # how a finalized checkpoint gets damaged -> what the warning says about it
+    "a truncated shard": (lambda p: _truncate(os.path.join(p, "policy", "shard_0.pt"), 3),
+                          "policy/shard_0.pt: 3 bytes, the manifest says 7"),
+    "a missing shard": (lambda p: os.remove(os.path.join(p, "policy", "shard_0.pt")), "policy/shard_0.pt is missing"),
+    "no manifest": (lambda p: os.remove(os.path.join(p, "manifest.json")), "manifest.json is missing"),
+    "training_info cut mid-write": (lambda p: _truncate(os.path.join(p, "training_info.json"), 10),
+                                    "training_info.json is not valid JSON"),
+    "no training_info": (lambda p: os.remove(os.path.join(p, "training_info.json")),
+                         "training_info.json cannot be read (No such file or directory)"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(tmp_path, caplog, damage):
+    m = _manager(tmp_path, keep_top_k=None)
+    for step in (2, 4):
+        _save(m, step, payload="weights")
+    break_it, what = DAMAGE[damage]
+    break_it(str(tmp_path / "ckpt" / "step_4"))
+    m2 = _manager(tmp_path, keep_top_k=None)  # the rerun
+    with caplog.at_level(logging.WARNING, logger="nemo_grpo.utils.checkpoint"):
+        assert m2.get_latest_checkpoint_path() == str(tmp_path / "ckpt" / "step_2")
+        assert m2.get_latest_checkpoint_path() == str(tmp_path / "ckpt" / "step_2")  # build, then resume
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"checkpoint {tmp_path}/ckpt/step_4 ({what}") and \
+        warnings[0].endswith(" is damaged: resuming from step_2")
+
+
+def test_every_checkpoint_damaged_is_a_user_error_naming_dir_and_remedy(tmp_path):
+    m = _manager(tmp_path, keep_top_k=None)
+    for step in (1, 2):
+        _save(m, step)
+    _truncate(str(tmp_path / "ckpt" / "step_2" / "policy" / "shard_0.pt"), 0)
+    _truncate(str(tmp_path / "ckpt" / "step_1" / "training_info.json"), 5)
+    with pytest.raises(UserInputError) as e:
+        _manager(tmp_path).get_latest_checkpoint_path()
+    message = str(e.value)
+    assert f"no checkpoint in {tmp_path}/ckpt can be resumed" in message and "checkpointing.resume=false" in message
+    assert "step_2 (policy/shard_0.pt: 0 bytes, the manifest says 7)" in message
+    assert "step_1 (training_info.json is not valid JSON" in message and "\n" not in message
+
+
+def test_a_checkpoint_older_than_manifests_is_resumed_unchecked_if_its_info_parses(tmp_path, caplog):
+    m = _manager(tmp_path, keep_top_k=None)
+    for step in (1, 2):
+        _save(m, step)
+    for step in (1, 2):  # what an older version wrote: no manifest, no checkpoint_format
+        path = tmp_path / "ckpt" / f"step_{step}"
+        os.remove(path / "manifest.json")
+        (path / "training_info.json").write_text(json.dumps({"step": step, "metrics": {}}))
+    with caplog.at_level(logging.WARNING, logger="nemo_grpo.utils.checkpoint"):
+        assert m.get_latest_checkpoint_path() == str(tmp_path / "ckpt" / "step_2")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"checkpoint {tmp_path}/ckpt/step_2 has no manifest.json (written by an older version): resuming from it "
+        "without checking its files"]
+    (tmp_path / "ckpt" / "step_2" / "training_info.json").write_text('{"step": 2, "metr')
+    assert m.get_latest_checkpoint_path() == str(tmp_path / "ckpt" / "step_1")
+
+
+def test_a_file_the_manifest_does_not_list_is_ignored(tmp_path):
+    m = _manager(tmp_path)
+    path = _save(m, 3)
+    (tmp_path / "ckpt" / "step_3" / "NOTES.txt").write_text("copied by hand")
+    assert m.get_latest_checkpoint_path() == path
+
+
+def test_retention_ranks_a_damaged_checkpoint_last_and_does_not_trip(tmp_path):
+    m = _manager(tmp_path, keep_top_k=2, metric_name="val:accuracy")
+    _save(m, 1, {"val:accuracy": 0.5})
+    _save(m, 2, {"val:accuracy": 0.9})
+    _truncate(str(tmp_path / "ckpt" / "step_2" / "training_info.json"), 7)  # the best one, now unreadable
+    _save(m, 3, {"val:accuracy": 0.1})
+    assert _steps(m) == [1, 3]  # step_2 went first; 1 is the best intact one, 3 the newest
+    _save(m, 4, {"val:accuracy": 0.2})
+    os.remove(tmp_path / "ckpt" / "step_4" / "policy" / "shard_0.pt")  # the newest, damaged
+    _save(m, 5, {"val:accuracy": 0.3})
+    assert _steps(m) == [1, 5]
