@@ -78,14 +78,27 @@ def jsonl_rows(path: str, key: str = "data_path") -> Iterator[tuple[str, dict]]:
         raise DataError(f"{path}: no rows (config key '{key}' names an empty file)")
 
 
+def _check_types(row: dict, where: str, input_key: str, output_key: str, section: str) -> None:
+    """The problem is a string; the answer a string or a number (math answers are numbers, `"output": 2`).
+    Anything else (null, a boolean, a list, an object) would train on its Python text ("None")."""
+    prompt, answer = row[input_key], row[output_key]
+    if not isinstance(prompt, str):
+        raise DataError(f"{where}: key '{input_key}' ({section}.input_key) must be a string, got "
+                        f"{json.dumps(prompt)[:40]}")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise DataError(f"{where}: key '{output_key}' ({section}.output_key) must be a string or a number, got "
+                        f"{json.dumps(answer)[:40]}")
+
+
 def read_jsonl(path: str, input_key: str, output_key: str, section: str = "data.*") -> list[dict[str, str]]:
-    """One JSON object per line; `input_key` holds the problem and `output_key` the reference answer.
-    `section` ("data.train") names the config keys in errors."""
+    """One JSON object per line; `input_key` holds the problem (a string) and `output_key` the reference answer
+    (a string or a number). `section` ("data.train") names the config keys in errors."""
     items = []
     for where, row in jsonl_rows(path, f"{section}.data_path"):
         for key, what in ((input_key, "input_key"), (output_key, "output_key")):
             if key not in row:
                 raise DataError(f"{where}: missing key '{key}' ({section}.{what}); keys present: {sorted(row)}")
+        _check_types(row, where, input_key, output_key, section)
         extra = row.get("extra_env_info", {})
         if not isinstance(extra, dict):
             raise DataError(f"{where}: 'extra_env_info' must be an object (e.g. {{\"tests\": [...]}})")

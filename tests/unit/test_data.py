@@ -112,3 +112,25 @@ def test_loader_counts_complete_epochs(tokenizer):
     resumed = PromptLoader(datums, 4, shuffle=True, seed=0)
     resumed.load_state_dict(loader.state_dict())
     assert resumed.epochs_done == 2
+
+
+@pytest.mark.parametrize("value, shown", [("null", "null"), ("7", "7"), ('["1+1="]', '["1+1="]'),
+                                          ('{"q": "1+1="}', '{"q": "1+1="}'), ("true", "true")])
+def test_a_prompt_that_is_not_a_string_names_file_line_and_key(tmp_path, value, shown):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"input": "1+1=", "output": "2"}\n{"input": ' + value + ', "output": "4"}\n')
+    cfg = DatasetConfig(dataset_name="ResponseDataset", data_path=str(path))
+    with pytest.raises(DataError) as e:
+        load_problems(cfg, "data.train")
+    assert str(e.value) == f"{path}:2: key 'input' (data.train.input_key) must be a string, got {shown}"
+
+
+def test_numeric_answers_are_accepted_a_null_answer_is_not(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"input": "1+1=", "output": 2}\n{"input": "1/2=", "output": 0.5}\n')
+    cfg = DatasetConfig(dataset_name="ResponseDataset", data_path=str(path))
+    assert [p["answer"] for p in load_problems(cfg)] == ["2", "0.5"]
+    path.write_text('{"input": "1+1=", "output": 2}\n\n{"input": "2+2=", "output": null}\n')
+    with pytest.raises(DataError, match=r"rows.jsonl:3: key 'output' \(data.train.output_key\) must be a string or "
+                                        r"a number, got null"):
+        load_problems(cfg, "data.train")
