@@ -83,10 +83,13 @@ def build_trainer(cfg: MasterConfig, *, log_to_driver: bool = True):
     from nemo_grpo.distributed.resource_plan import plan_resources, reserve
     from nemo_grpo.generation import make_generation_engine
     from nemo_grpo.models.builtin import resolve_model_path
+    from nemo_grpo.models.files import check_model_dir
     from nemo_grpo.policy import Policy
     from nemo_grpo.utils.logger import Logger
 
     model_path = resolve_model_path(cfg.policy.model_name, seed=0)
+    if model_path != cfg.policy.model_name:  # a builtin: model's cached build (a local one was checked already)
+        check_model_dir(model_path, "policy.model_name")
     validate_model_layout(cfg.policy, model_path)
     tokenizer = load_tokenizer(cfg, model_path)
     loader, val = build_datasets(cfg, tokenizer, problems)

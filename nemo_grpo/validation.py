@@ -17,9 +17,11 @@ from typing import Optional
 
 from nemo_grpo.config import (BUILTIN_MODEL_PREFIX, DatasetConfig, MasterConfig, PolicyConfig,
                               RewardModelEnvConfig, RMEvalConfig, RMTrainConfig, read_config)
+from nemo_grpo.errors import ConfigError
 from nemo_grpo.errors import require as _need
 from nemo_grpo.errors import require_choice as _choice
 from nemo_grpo.layout import ParallelLayout, check_inactive_degrees, policy_layout
+from nemo_grpo.models.files import check_model_dir
 from nemo_grpo.models.lora import validate_lora
 
 PRECISIONS = ["float32", "bfloat16"]
@@ -63,6 +65,7 @@ def _need_model_dir(path: str, key: str, what: str) -> None:
         builtin_name(path, key)
         return
     _need(os.path.isdir(path), key, f"'{path}' is not a local directory ({what})")
+    check_model_dir(path, key)
 
 
 def _need_data_file(path: Optional[str], key: str) -> None:
@@ -178,7 +181,12 @@ def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "polic
 
     from nemo_grpo.models.spec import check_divisible, check_rope
 
-    hf = AutoConfig.from_pretrained(model_path)
+    try:
+        hf = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as e:  # transformers' "Unrecognized model in ...", a config it cannot parse
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"config key '{prefix}.model_name': {model_path} has no config transformers can read: "
+                          f"{first}") from None
     if p.backend == "megatron":
         m, key = p.megatron_cfg, f"{prefix}.megatron_cfg."
         check_rope(hf, f"{prefix}.model_name")
@@ -354,6 +362,7 @@ def _validate_reward_model(r: RewardModelEnvConfig, world: int, files: bool = Tr
     if files:
         _need(os.path.isdir(r.model_name), key + "model_name",
               f"'{r.model_name}' is not a local directory (a Hugging Face *ForSequenceClassification model)")
+        check_model_dir(r.model_name, key + "model_name")
     _choice(r.backend, key + "backend", sorted(BACKENDS))
     _choice(r.precision, key + "precision", PRECISIONS)
     _choice(r.reward_model_cfg.reward_model_type, key + "reward_model_cfg.reward_model_type", ["bradley_terry"])
