@@ -1,12 +1,15 @@
 """Bad input is one line on stderr, `error: ...`, naming the key, the file (and line) or the value, with exit
 status 2 and no traceback: whether it is caught while loading the config or while building the run. Each case
-runs `python -m nemo_grpo.train` as a user does; all of them fail before Ray or any model starts, so the one
-line is also the proof that nothing else ran (starting Ray logs a line of its own)."""
+calls the entry point in this process as `python -m nemo_grpo.train` would (`main(argv)`, its console set up
+by configure_console; the `user_console` fixture puts the logging and warnings state back afterwards). All of
+them fail before Ray or any model starts: the one line is also the proof that nothing else ran, and each
+case checks that Ray is not running. tests/functional/test_bad_input_e2e.py runs a few as real processes."""
 
 import logging
 import os
-import subprocess
+import shutil
 import sys
+import warnings
 
 import pytest
 
@@ -17,21 +20,58 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 JSONL = "data.train.dataset_name=ResponseDataset"
 
 
-def train(tmp_path, *overrides, config=None) -> subprocess.CompletedProcess:
-    """`python -m nemo_grpo.train`, logs and checkpoints under tmp_path unless the overrides say otherwise."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", NEMO_GRPO_CACHE=str(tmp_path / "cache"))
-    env.pop("RAY_ADDRESS", None)
-    args = [f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt", *overrides]
-    return subprocess.run([sys.executable, "-m", "nemo_grpo.train", *(["--config", config] if config else []),
-                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+@pytest.fixture
+def user_console():
+    """Undo what an entry point does to this process's logging (root handlers and level, the third-party
+    loggers quiet_libraries reroutes, logging.captureWarnings) and warnings filters, so that no other test of
+    the session sees it."""
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    loggers = {name: (list(lg.handlers), lg.propagate) for name, lg in logging.root.manager.loggerDict.items()
+               if isinstance(lg, logging.Logger)}
+    captured = getattr(warnings.showwarning, "__module__", None) == "logging"
+    with warnings.catch_warnings():  # restores the filters and warnings.showwarning on exit
+        yield
+        if not captured:
+            logging.captureWarnings(False)
+    for handler in root.handlers:
+        if handler not in saved[0]:
+            handler.close()
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    for name, lg in list(logging.root.manager.loggerDict.items()):
+        if isinstance(lg, logging.Logger):
+            handlers, propagate = loggers.get(name, (lg.handlers, lg.propagate))
+            lg.handlers[:], lg.propagate = handlers, propagate
 
 
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
-    """The run failed with status 2, printed nothing on stdout and exactly one line on stderr: its message."""
-    assert proc.returncode == EXIT_USER_ERROR, (proc.returncode, proc.stderr[-3000:])
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
-    assert proc.stdout == ""
+@pytest.fixture
+def train(tmp_path, capsys, monkeypatch, user_console):
+    """train(*overrides, config=None) -> the one error line of `python -m nemo_grpo.train ...`, run in this
+    process with logs and checkpoints under tmp_path unless the overrides say otherwise."""
+    from nemo_grpo.train import main
+
+    monkeypatch.setenv("NEMO_GRPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a regression must not join someone's cluster
+    monkeypatch.chdir(ROOT)
+
+    def run(*overrides, config=None) -> str:
+        args = [f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt", *overrides]
+        capsys.readouterr()  # what the test's own set-up printed (building a tiny model) is not the run's
+        return one_error_line(main([*(["--config", config] if config else []), *args]), capsys)
+
+    return run
+
+
+def one_error_line(status: int, capsys) -> str:
+    """The run failed with status 2, printed nothing on stdout and exactly one line on stderr (its message),
+    and Ray is not running."""
+    out, err = capsys.readouterr()
+    assert status == EXIT_USER_ERROR, (status, err[-3000:])
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+    assert out == ""
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
     return lines[0]
 
 
@@ -42,24 +82,23 @@ def write(path, data: bytes) -> str:
 
 # ----------------------------------------------------------------------------------------------- data path
 @pytest.mark.parametrize("case", ["no data_path", "missing file", "a directory"])
-def test_data_path(tmp_path, case):
+def test_data_path(train, tmp_path, case):
     overrides = {"no data_path": [JSONL],
                  "missing file": [JSONL, f"data.train.data_path={tmp_path}/nope.jsonl"],
                  "a directory": [JSONL, f"data.train.data_path={tmp_path}"]}[case]
-    line = one_error_line(train(tmp_path, *overrides))
+    line = train(*overrides)
     assert "data.train.data_path" in line
     if case != "no data_path":
         assert str(tmp_path) in line
 
 
-def test_validation_data_path_is_named_as_the_validation_key(tmp_path):
-    line = one_error_line(train(tmp_path, "data.validation.dataset_name=ResponseDataset",
-                                f"data.validation.data_path={tmp_path}/val.jsonl"))
+def test_validation_data_path_is_named_as_the_validation_key(train, tmp_path):
+    line = train("data.validation.dataset_name=ResponseDataset", f"data.validation.data_path={tmp_path}/val.jsonl")
     assert "data.validation.data_path" in line and "val.jsonl" in line
 
 
-def test_unknown_builtin_model_lists_the_known_ones(tmp_path):
-    line = one_error_line(train(tmp_path, "policy.model_name=builtin:nope"))
+def test_unknown_builtin_model_lists_the_known_ones(train):
+    line = train("policy.model_name=builtin:nope")
     assert line == ("error: config key 'policy.model_name': unknown built-in model 'nope'; known: "
                     "builtin:tiny-addition, builtin:tiny-code, builtin:smollm2-135m-instruct")
 
@@ -75,52 +114,110 @@ GOOD = b'{"input": "1+1=", "output": "2"}\n'
     ("missing_input_key", GOOD + b'{"question": "2+2=", "output": "4"}\n',
      ":2: missing key 'input' (data.train.input_key)"),
     ("latin1", GOOD + b'{"input": "caf\xe9", "output": "x"}\n', ":2: not UTF-8 text (byte 0xe9"),
+    ("null_input", GOOD + b'{"input": null, "output": "4"}\n',
+     ":2: key 'input' (data.train.input_key) must be a string, got null"),
 ])
-def test_data_content_names_file_and_line(tmp_path, name, data, expected):
+def test_data_content_names_file_and_line(train, tmp_path, name, data, expected):
     path = write(tmp_path / f"{name}.jsonl", data)
-    line = one_error_line(train(tmp_path, JSONL, f"data.train.data_path={path}"))
+    line = train(JSONL, f"data.train.data_path={path}")
     assert f"{path}{expected}" in line
 
 
-def test_prompt_file_that_is_not_utf8_or_has_stray_braces(tmp_path):
+def test_prompt_file_that_is_not_utf8_or_has_stray_braces(train, tmp_path):
     latin1 = write(tmp_path / "prompt_latin1.txt", b"Question:\n{} caf\xe9")
-    line = one_error_line(train(tmp_path, f"data.train.prompt_file={latin1}"))
+    line = train(f"data.train.prompt_file={latin1}")
     assert f"{latin1}:2: not UTF-8 text" in line and "data.train.prompt_file" in line
     braces = write(tmp_path / "prompt_braces.txt", b'Answer as {"answer": ...}: {}')
-    line = one_error_line(train(tmp_path, f"data.train.prompt_file={braces}"))
+    line = train(f"data.train.prompt_file={braces}")
     assert "data.train.prompt_file" in line and "'{{'" in line
 
 
 # ----------------------------------------------------------------------------------------------- output dirs
 @pytest.mark.parametrize("key", ["logger.log_dir", "checkpointing.checkpoint_dir"])
 @pytest.mark.parametrize("case", ["under a file", "is a file"])
-def test_unusable_output_directory_names_key_and_path(tmp_path, key, case):
+def test_unusable_output_directory_names_key_and_path(train, tmp_path, key, case):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     target = blocker / "out" if case == "under a file" else blocker
-    line = one_error_line(train(tmp_path, f"{key}={target}"))
+    line = train(f"{key}={target}")
     assert f"'{key}'" in line and str(target) in line
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 @pytest.mark.parametrize("key", ["logger.log_dir", "checkpointing.checkpoint_dir"])
-def test_read_only_output_directory(tmp_path, key):
+def test_read_only_output_directory(train, tmp_path, key):
     read_only = tmp_path / "read_only"
     read_only.mkdir()
     read_only.chmod(0o555)
-    line = one_error_line(train(tmp_path, f"{key}={read_only}"))
+    line = train(f"{key}={read_only}")
     assert f"'{key}'" in line and str(read_only) in line and "not a writable directory" in line
 
 
+# ----------------------------------------------------------------------------------------------- model, checkpoint
+@pytest.fixture
+def damaged_model(tiny_model_dir, tmp_path):
+    """damaged_model(how, scalar_head=False) -> a copy of a tiny model without its config.json ("no config") or
+    with its model.safetensors cut short ("truncated")."""
+
+    def make(how: str, scalar_head: bool = False) -> str:
+        path = shutil.copytree(tiny_model_dir("qwen2", scalar_head=scalar_head), tmp_path / f"model_{how}")
+        if how == "no config":
+            os.remove(path / "config.json")
+        else:
+            with open(path / "model.safetensors", "r+b") as f:
+                f.truncate(1000)
+        return str(path)
+
+    return make
+
+
+@pytest.mark.parametrize("how, expected", [("no config", " has no config.json"),
+                                           ("truncated", ": model.safetensors: 1000 bytes, its header alone claims")])
+def test_a_model_directory_that_is_not_a_model(train, damaged_model, how, expected):
+    path = damaged_model(how)
+    line = train(f"policy.model_name={path}")
+    assert line.startswith(f"error: config key 'policy.model_name': model directory {path}{expected}")
+
+
+def test_the_reward_model_entry_points_name_their_model_key(damaged_model, capsys, user_console):
+    from nemo_grpo.eval_rm import main as eval_rm
+    from nemo_grpo.train_rm import main as train_rm
+
+    path = damaged_model("truncated", scalar_head=True)
+    capsys.readouterr()
+    line = one_error_line(train_rm([f"policy.model_name={path}", "data.train_data_path=builtin:addition"]), capsys)
+    assert f"config key 'policy.model_name': model directory {path}: model.safetensors" in line
+    line = one_error_line(eval_rm([f"reward_model.model_name={path}", "data_path=builtin:addition"]), capsys)
+    assert f"config key 'reward_model.model_name': model directory {path}: model.safetensors" in line
+
+
+def test_a_checkpoint_dir_whose_every_checkpoint_is_damaged(train, tmp_path):
+    from nemo_grpo.config import CheckpointingConfig
+    from nemo_grpo.utils.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt")))
+    tmp = manager.init_tmp_checkpoint(2, {"step": 2, "metrics": {}})
+    os.makedirs(os.path.join(tmp, "policy"))
+    write(tmp_path / "ckpt" / "tmp_step_2" / "policy" / "__0_0.distcp", b"x" * 2048)
+    final = manager.finalize_checkpoint(tmp)
+    with open(os.path.join(final, "policy", "__0_0.distcp"), "r+b") as f:
+        f.truncate(1024)
+    line = train()
+    assert line.startswith(f"error: config key 'checkpointing.checkpoint_dir': no checkpoint in {tmp_path}/ckpt "
+                           f"can be resumed, each is damaged: {tmp_path}/ckpt/step_2 (policy/__0_0.distcp: 1024 "
+                           "bytes, the manifest says 2048)")
+    assert "checkpointing.resume=false" in line
+
+
 # ----------------------------------------------------------------------------------------------- the recipe
-def test_recipe_that_is_not_utf8_names_file_and_line(tmp_path):
+def test_recipe_that_is_not_utf8_names_file_and_line(train, tmp_path):
     recipe = write(tmp_path / "recipe.yaml", b"grpo:\n  max_num_steps: 3\n# caf\xe9\n")
-    line = one_error_line(train(tmp_path, config=recipe))
+    line = train(config=recipe)
     assert f"{recipe}:3" in line and "UTF-8" in line
 
 
-def test_unknown_key_is_named(tmp_path):
-    line = one_error_line(train(tmp_path, "grpo.max_num_stepz=3"))
+def test_unknown_key_is_named(train):
+    line = train("grpo.max_num_stepz=3")
     assert "grpo.max_num_stepz" in line
 
 
@@ -147,34 +244,19 @@ def test_error_line_uses_the_cause_of_a_wrapped_remote_error():
         "error: config key 'env.code.num_workers': must be > 0"
 
 
-def test_quiet_console_shows_our_loggers_and_errors_the_file_gets_everything(tmp_path, capsys):
+def test_quiet_console_shows_our_loggers_and_errors_the_file_gets_everything(tmp_path, capsys, user_console):
     import torch  # noqa: F401  (torch's loggers print through stderr handlers of their own)
 
-    root = logging.getLogger()
-    saved = (list(root.handlers), root.level)
-    loggers = {name: (list(lg.handlers), lg.propagate) for name, lg in logging.root.manager.loggerDict.items()
-               if isinstance(lg, logging.Logger)}
-    try:
-        configure_console(verbose=False)
-        path = log_to_file(str(tmp_path), verbose=False)
-        logging.getLogger("nemo_grpo.test").info("our progress")
-        logging.getLogger("vllm.worker").warning("a third-party warning")
-        logging.getLogger("torch.distributed").warning("a torch warning")
-        logging.getLogger("torch").error("a torch error")
-        err = capsys.readouterr().err
-        assert "our progress" in err and err.count("a torch error") == 1
-        assert "a third-party warning" not in err and "a torch warning" not in err
-        with open(path) as f:
-            text = f.read()
-        for message in ("our progress", "a third-party warning", "a torch warning", "a torch error"):
-            assert message in text
-    finally:
-        for handler in root.handlers:
-            if handler not in saved[0]:
-                handler.close()
-        root.handlers[:] = saved[0]
-        root.setLevel(saved[1])
-        for name, (handlers, propagate) in loggers.items():
-            logging.getLogger(name).handlers[:] = handlers
-            logging.getLogger(name).propagate = propagate
-        logging.captureWarnings(False)
+    configure_console(verbose=False)
+    path = log_to_file(str(tmp_path), verbose=False)
+    logging.getLogger("nemo_grpo.test").info("our progress")
+    logging.getLogger("vllm.worker").warning("a third-party warning")
+    logging.getLogger("torch.distributed").warning("a torch warning")
+    logging.getLogger("torch").error("a torch error")
+    err = capsys.readouterr().err
+    assert "our progress" in err and err.count("a torch error") == 1
+    assert "a third-party warning" not in err and "a torch warning" not in err
+    with open(path) as f:
+        text = f.read()
+    for message in ("our progress", "a third-party warning", "a torch warning", "a torch error"):
+        assert message in text
