@@ -1,13 +1,11 @@
 """Bad input seen as a user sees it: `python -m nemo_grpo.train` in a process of its own exits with status 2,
-prints nothing on stdout and one `error: ...` line on stderr (no traceback at import or at exit). One case per
-kind of check (data, model directory, checkpoint); tests/unit/test_bad_input.py holds the rest, in-process."""
+prints nothing on stdout and one `error: ...` line on stderr (no traceback at import or at exit). One case, a
+damaged checkpoint, as a user meets it; tests/unit/test_bad_input.py runs every case (this one included) through
+the same entry point in-process, where each costs no interpreter start."""
 
 import os
-import shutil
 import subprocess
 import sys
-
-import pytest
 
 from nemo_grpo.config import CheckpointingConfig
 from nemo_grpo.utils.checkpoint import CheckpointManager
@@ -29,26 +27,6 @@ def error_line_of_train(tmp_path, *overrides) -> str:
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
     assert proc.stdout == ""
     return lines[0]
-
-
-def test_a_null_prompt_in_a_jsonl_file(tmp_path):
-    data = tmp_path / "rows.jsonl"
-    data.write_text('{"input": "1+1=", "output": 2}\n{"input": null, "output": 4}\n')
-    line = error_line_of_train(tmp_path, "data.train.dataset_name=ResponseDataset", f"data.train.data_path={data}")
-    assert line == f"error: {data}:2: key 'input' (data.train.input_key) must be a string, got null"
-
-
-@pytest.mark.parametrize("how", ["no config.json", "truncated safetensors"])
-def test_a_model_directory_that_is_not_a_model(tmp_path, tiny_model_dir, how):
-    model = shutil.copytree(tiny_model_dir("qwen2"), tmp_path / "model")
-    if how == "no config.json":
-        os.remove(model / "config.json")
-    else:
-        with open(model / "model.safetensors", "r+b") as f:
-            f.truncate(4096)
-    line = error_line_of_train(tmp_path, f"policy.model_name={model}")
-    assert line.startswith(f"error: config key 'policy.model_name': model directory {model}")
-    assert ("has no config.json" if how == "no config.json" else "model.safetensors: 4096 bytes") in line
 
 
 def test_a_checkpoint_dir_whose_only_checkpoint_is_truncated(tmp_path):
