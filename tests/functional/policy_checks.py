@@ -8,7 +8,7 @@ import sys
 import pytest
 import ray
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from nemo_grpo.config import ClusterConfig, PolicyConfig
 from nemo_grpo.policy import Policy
@@ -111,6 +111,19 @@ def assert_logprobs_match_hf(policy: Policy, path: str, batch: dict) -> torch.Te
     assert lp.shape == ref.shape
     assert (lp - ref).abs().max().item() <= 1e-5
     return lp
+
+
+def assert_scores_match_hf(policy: Policy, path: str, batch: dict) -> torch.Tensor:
+    """The reward model's scores [B] equal Hugging Face's sequence classifier's (pooled at the last real token;
+    no real token of `batch` may be the pad id) within 1e-5; returns them."""
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    mask = (torch.arange(batch["input_ids"].shape[1])[None, :] < batch["input_lengths"][:, None]).long()
+    with torch.no_grad():
+        ref = model(input_ids=batch["input_ids"], attention_mask=mask).logits[:, 0]  # [B]
+    scores = policy.score(batch)
+    assert scores.shape == ref.shape
+    assert (scores - ref).abs().max().item() <= 1e-5
+    return scores
 
 
 def policy_config(path: str, backend: str = "dtensor", **overrides) -> PolicyConfig:

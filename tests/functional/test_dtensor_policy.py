@@ -11,9 +11,8 @@ import os
 
 import pytest
 import torch
-from policy_checks import (CLUSTER, TokenPGLoss, assert_logprobs_match_hf, check_bf16_step, check_train_parity,
-                           export_state, hf_logprobs, load_hf, make_batch, max_diff, policy_config)
-from transformers import AutoModelForSequenceClassification
+from policy_checks import (CLUSTER, TokenPGLoss, assert_logprobs_match_hf, assert_scores_match_hf, check_bf16_step,
+                           check_train_parity, export_state, hf_logprobs, load_hf, make_batch, max_diff, policy_config)
 
 from nemo_grpo.policy import Policy
 
@@ -141,16 +140,11 @@ def test_logprobs_match_hf_other_archs(ray_cluster, tiny_model_dir, arch, tp):
 def test_score_matches_sequence_classifier(ray_cluster, tiny_model_dir, tp):
     path = tiny_model_dir("qwen2", scalar_head=True)
     batch = make_batch(5, seed=8)  # no real token is the pad id, so HF's own pooling is the last real token
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
-    mask = (torch.arange(batch["input_ids"].shape[1])[None, :] < batch["input_lengths"][:, None]).long()
-    with torch.no_grad():
-        ref = model(input_ids=batch["input_ids"], attention_mask=mask).logits[:, 0]  # [B]
-    with Policy(policy_config(path, **{"dtensor_cfg.tensor_parallel_size": tp}), CLUSTER, path, scalar_head=True) as policy:
-        scores = policy.score(batch)
+    cfg = policy_config(path, **{"dtensor_cfg.tensor_parallel_size": tp})
+    with Policy(cfg, CLUSTER, path, scalar_head=True) as policy:
+        assert_scores_match_hf(policy, path, batch)
         with pytest.raises(RuntimeError, match="scalar head"):
             policy.get_logprobs(batch)
-    assert scores.shape == ref.shape
-    assert (scores - ref).abs().max().item() <= 1e-5
 
 
 def test_bf16_step_stays_close_to_fp32(ray_cluster, tiny_model_dir):

@@ -1,10 +1,11 @@
 """Dynamic batching (policy.dynamic_batching) through the Policy front on both back ends: rows sorted by length
-and cut under a token budget, the same number of micro-batches on every data-parallel rank. Log-probs and
-scores equal the fixed-size path's; a train call matches the single-process Hugging Face reference."""
+and cut under a token budget, the same number of micro-batches on every data-parallel rank. Log-probs, scores
+and a train call match the single-process Hugging Face reference, as the fixed-size path does (its own parity
+tests): one policy per layout, no fixed-size twin started beside it."""
 
 import pytest
-import torch
-from policy_checks import CLUSTER, check_train_parity, make_batch, policy_config
+from policy_checks import (CLUSTER, assert_logprobs_match_hf, assert_scores_match_hf, check_train_parity, make_batch,
+                           policy_config)
 
 from nemo_grpo.backends.batching import token_budget_groups
 from nemo_grpo.policy import Policy
@@ -34,11 +35,9 @@ def test_same_results_as_fixed_micro_batches(ray_cluster, tiny_model_dir, layout
     path = tiny_model_dir("qwen2")
     backend, overrides = LAYOUTS[layout]
     batch = make_batch(8, seed=SEED, t=12)
-    with Policy(policy_config(path, backend=backend, **overrides), CLUSTER, path) as fixed:
-        expected = fixed.get_logprobs(batch)
     with Policy(policy_config(path, backend=backend, train_micro_batch_size=2, **overrides, **BUDGET), CLUSTER,
                 path) as dynamic:
-        torch.testing.assert_close(dynamic.get_logprobs(batch), expected, atol=1e-5, rtol=0)
+        assert_logprobs_match_hf(dynamic, path, batch)
         metrics = check_train_parity(dynamic, path, batch)  # 2 optimizer steps of 4 rows (2 per DP rank)
     # micro-batches per step (rank 0's, mean of the 2 steps), where train_micro_batch_size=2 makes 1 (DP=2) or 2
     # (TP=2: one DP rank holds the 4 rows). Budget 16, lengths rounded to 4. DP=2: step 1 rank 0 [12] [3], rank 1
@@ -49,7 +48,5 @@ def test_same_results_as_fixed_micro_batches(ray_cluster, tiny_model_dir, layout
 def test_scores_of_a_reward_model(ray_cluster, tiny_model_dir):
     path = tiny_model_dir("qwen2", scalar_head=True)
     batch = make_batch(8, seed=SEED, t=12)
-    with Policy(policy_config(path, "megatron"), CLUSTER, path, scalar_head=True) as fixed:
-        expected = fixed.score(batch)
     with Policy(policy_config(path, "megatron", **BUDGET), CLUSTER, path, scalar_head=True) as dynamic:
-        torch.testing.assert_close(dynamic.score(batch), expected, atol=1e-5, rtol=0)
+        assert_scores_match_hf(dynamic, path, batch)

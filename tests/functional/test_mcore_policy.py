@@ -9,10 +9,9 @@ import os
 
 import pytest
 import torch
-from policy_checks import (CLUSTER, TokenPGLoss, assert_logprobs_match_hf, check_bf16_step, check_checkpoint_resumes,
-                           check_train_parity, export_state, hf_logprobs, load_hf, make_batch, max_diff,
-                           policy_config, reference_train)
-from transformers import AutoModelForSequenceClassification
+from policy_checks import (CLUSTER, TokenPGLoss, assert_logprobs_match_hf, assert_scores_match_hf, check_bf16_step,
+                           check_checkpoint_resumes, check_train_parity, export_state, hf_logprobs, load_hf,
+                           make_batch, max_diff, policy_config, reference_train)
 
 from nemo_grpo.config import ClusterConfig
 from nemo_grpo.policy import Policy
@@ -181,14 +180,8 @@ def test_step_matches_dtensor(ray_cluster, tiny_model_dir):
 def test_score_matches_sequence_classifier(ray_cluster, tiny_model_dir, layout):
     path = tiny_model_dir("qwen3", scalar_head=True, **MODELS["qwen3"])
     batch = make_batch(5, seed=8)  # right-padded, mixed lengths; no real token is the pad id
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
-    mask = (torch.arange(batch["input_ids"].shape[1])[None, :] < batch["input_lengths"][:, None]).long()
-    with torch.no_grad():
-        ref = model(input_ids=batch["input_ids"], attention_mask=mask).logits[:, 0]  # [B]
     with megatron_policy(path, layout, scalar_head=True) as policy:
-        scores = policy.score(batch)
-    assert scores.shape == ref.shape
-    assert (scores - ref).abs().max().item() <= 1e-5
+        assert_scores_match_hf(policy, path, batch)
 
 
 @pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])

@@ -1,11 +1,11 @@
 """Sequence packing (policy.sequence_packing) through the Policy front on both back ends: each DP rank's rows packed
 into bins by first-fit-decreasing, each bin one row with a block-diagonal causal mask and per-sequence position
 ids. Log-probs and one train call equal the single-process Hugging Face model run on the padded rows (so the
-padded path too), and scores those of the padded path, at every layout."""
+padded path too), and scores those of Hugging Face's sequence classifier, at every layout."""
 
 import pytest
-import torch
-from policy_checks import CLUSTER, assert_logprobs_match_hf, check_train_parity, make_batch, policy_config
+from policy_checks import (CLUSTER, assert_logprobs_match_hf, assert_scores_match_hf, check_train_parity, make_batch,
+                           policy_config)
 
 from nemo_grpo.backends.batching import first_fit_decreasing
 from nemo_grpo.policy import Policy
@@ -49,7 +49,5 @@ def test_packed_rows_match_hf(ray_cluster, tiny_model_dir, layout):
 def test_scores_of_a_reward_model(ray_cluster, tiny_model_dir, backend):
     path = tiny_model_dir("qwen2", scalar_head=True)
     batch = make_batch(8, seed=SEED, t=12)
-    with Policy(policy_config(path, backend), CLUSTER, path, scalar_head=True) as padded:
-        expected = padded.score(batch)
     with Policy(policy_config(path, backend, **PACKING), CLUSTER, path, scalar_head=True) as packed:
-        torch.testing.assert_close(packed.score(batch), expected, atol=1e-5, rtol=0)
+        assert_scores_match_hf(packed, path, batch)
