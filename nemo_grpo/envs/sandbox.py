@@ -18,18 +18,23 @@ containers we run in). Each run gets:
   - a clean environment (PATH, HOME, LANG only) and `python -I -S` (no site-packages, no user paths);
   - rlimits: CPU seconds, address space, processes (per the sandbox uid), file size, open files;
   - a wall-clock timeout after which the whole process group is killed; stdout/stderr are read up to
-    `max_output_bytes` each and the run is killed when a stream exceeds it.
+    `max_output_bytes` each and the run is killed when a stream exceeds it;
+  - death with the worker that started it: PR_SET_PDEATHSIG on `unshare`, whose --kill-child sets it on the
+    namespace's init, re-armed by `setpriv --pdeathsig` (a uid change clears it); the init's death takes every
+    process of the namespace along, so a killed actor or a SIGKILLed trainer leaves no program behind.
 Not isolated: the program can read world-readable files of the host (system libraries, the project's source:
 no secrets belong there), use CPU up to its limits, and see the kernel's global information (/proc/cpuinfo,
 uname). A kernel exploit is out of scope.
 
 Reduced isolation (`mode == "rlimits"`, anywhere else: not root, or no unshare/setpriv): rlimits, a new
 session killed as a group, a private temporary directory as the working directory and a clean environment
-only. No network, filesystem or user isolation: `Sandbox()` says so loudly (a warning) when it starts.
+only. No network, filesystem or user isolation: `Sandbox()` says so loudly (a warning) when it starts. The
+program dies with its worker, but processes it forks do not (they outlive a killed worker until their rlimits).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import resource
@@ -45,11 +50,13 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 SANDBOX_UID = 65534  # nobody
+PR_SET_PDEATHSIG = 1  # prctl(2); looked up here, not between fork and exec
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 TMPFS_SIZE_MB = 64
 CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp/work", "LANG": "C.UTF-8",
              "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
 # inside the namespaces, as root, before dropping to the sandbox user: private tmpfs mounts, the working
-# directory, then exec the program as uid 65534 with no privileges
+# directory, then exec the program as uid 65534 with no privileges, killed when unshare dies
 # (the staging directory is the shell's working directory: still reachable after /tmp is covered)
 NAMESPACE_SCRIPT = """set -e
 mount --make-rprivate /
@@ -59,7 +66,7 @@ cp -r ./. /tmp/work/
 chown -R {uid}:{uid} /tmp/work
 chmod 0700 /tmp/work
 cd /tmp/work
-exec setpriv --reuid={uid} --regid={uid} --clear-groups --no-new-privs --inh-caps=-all --bounding-set=-all "$@"
+exec setpriv --reuid={uid} --regid={uid} --clear-groups --no-new-privs --inh-caps=-all --bounding-set=-all --pdeathsig KILL "$@"
 """
 
 
@@ -134,6 +141,14 @@ class Sandbox:
             return _execute([self.python, "-I", "-S", "main.py"], stdin, limits, cwd=work, env=env)
 
 
+def _die_with_parent(parent: int) -> None:
+    """In the child before exec: SIGKILL when the worker that started it dies (or already has)."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _set_limits(limits: SandboxLimits) -> None:
     """In the child before exec (inherited by the whole tree)."""
     mb = 1024 * 1024
@@ -148,10 +163,15 @@ def _set_limits(limits: SandboxLimits) -> None:
 def _execute(cmd: list[str], stdin: str, limits: SandboxLimits, cwd: str, env: Optional[dict] = None) -> RunResult:
     """Start `cmd` in a new session with the limits; feed stdin; read capped output; kill the group at the
     deadline or when a stream overflows."""
-    start = time.monotonic()
+    start, parent = time.monotonic(), os.getpid()
+
+    def in_child() -> None:
+        _die_with_parent(parent)
+        _set_limits(limits)
+
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
                             env=env if env is not None else dict(CLEAN_ENV), start_new_session=True,
-                            preexec_fn=lambda: _set_limits(limits))
+                            preexec_fn=in_child)
     out, err, timed_out, truncated = _communicate(proc, stdin.encode(), limits, start)
     return RunResult(stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
                      returncode=None if timed_out else proc.returncode, timed_out=timed_out,

@@ -146,3 +146,40 @@ def test_project_files_cannot_be_deleted(isolated):
         assert "denied" in r.stdout and os.path.isfile(sentinel)
     finally:
         os.remove(sentinel)
+
+
+def _cmdline(p) -> list[str]:
+    try:
+        return p.cmdline()
+    except Exception:  # psutil.Error: gone, or a zombie
+        return []
+
+
+def test_a_killed_worker_takes_its_program_along(sandbox):
+    """The worker that runs the sandbox dies (an actor killed, a trainer SIGKILLed): its program, and in namespace
+    mode every process the program started, dies with it instead of sleeping on."""
+    import signal
+    import sys
+
+    import psutil
+
+    program = "import time\nprint('up', flush=True)\ntime.sleep(60)"
+    if sandbox.mode == "namespaces":
+        program = "import subprocess\nsubprocess.Popen(['sleep', '60'], start_new_session=True)\n" + program
+    worker = subprocess.Popen([sys.executable, "-c", "from nemo_grpo.envs.sandbox import Sandbox, SandboxLimits\n"
+                               f"Sandbox(SandboxLimits(timeout_s=60, cpu_s=60)).run({program!r})"], cwd=ROOT)
+    want = [["main.py"], ["sleep", "60"]] if sandbox.mode == "namespaces" else [["main.py"]]
+    deadline, tree = time.monotonic() + 30, []
+    try:
+        while not all(any(_cmdline(p)[-len(w):] == w for p in tree) for w in want):
+            assert time.monotonic() < deadline and worker.poll() is None, [_cmdline(p) for p in tree]
+            time.sleep(0.1)
+            tree = psutil.Process(worker.pid).children(recursive=True)
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+    _, left = psutil.wait_procs(tree, timeout=5)
+    left = [(p, _cmdline(p)) for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p, _ in left:
+        p.kill()
+    assert not left, [cmd for _, cmd in left]
