@@ -15,6 +15,13 @@ def hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+def teacher_logprobs(model, prompt, tokens) -> torch.Tensor:
+    """[len(tokens)] log-probs of `tokens` after `prompt` under `model`, by teacher forcing."""
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0].float(), -1)
+    return lp[len(prompt) - 1 : -1].gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
 @pytest.fixture(scope="module")
 def engine(ray_cluster, tiny_model_dir):
     eng = TorchGeneration(GenerationConfig(max_new_tokens=8), tiny_model_dir("qwen2", seed=3), ClusterConfig())
@@ -29,22 +36,31 @@ def test_greedy_matches_hf_and_logprobs_match_teacher_forcing(engine, tiny_model
     sampled = engine.generate(PROMPTS, seed=7)
     assert [o.token_ids for o in sampled] == [o.token_ids for o in engine.generate(PROMPTS, seed=7)]
     for p, out in zip(PROMPTS, sampled):
-        with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor([p + out.token_ids])).logits[0].float(), -1)
-        teacher = lp[len(p) - 1 : -1].gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
-        assert torch.allclose(teacher, torch.tensor(out.logprobs), atol=1e-5)
+        assert torch.allclose(teacher_logprobs(model, p, out.token_ids), torch.tensor(out.logprobs), atol=1e-5)
 
 
 def test_refit_in_place_changes_generation(engine, tiny_model_dir):
-    new = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2", seed=4)).eval()
+    """Weights of another model, in two buckets: decoding is then exactly the new model's (greedy tokens as HF
+    generates them, log-probs as teacher forcing under the new weights, not the old ones); the old weights back
+    restore the old outputs. (Untrained tied-embedding models greedily repeat the prompt's last token, so the
+    log-probs are what tells the two apart.)"""
     old = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2", seed=3)).eval()
+    new = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2", seed=4)).eval()
+    before = engine.generate(PROMPTS, greedy=True)
     state = new.state_dict()
     names = list(state)
     engine.update_weights(iter([{k: state[k] for k in names[:5]}, {k: state[k] for k in names[5:]}]))
     after = engine.generate(PROMPTS, greedy=True)
-    assert all(o.token_ids == hf_greedy(new, p, 8)[: len(o.token_ids)] for p, o in zip(PROMPTS, after))
-    old_state = old.state_dict()
-    engine.update_weights(iter([old_state]))  # back, for the other tests
+    assert all(o.token_ids for o in after)
+    assert [o.logprobs for o in after] != [o.logprobs for o in before]
+    for p, o in zip(PROMPTS, after):
+        assert o.token_ids == hf_greedy(new, p, 8)
+        logprobs = torch.tensor(o.logprobs)
+        assert torch.allclose(teacher_logprobs(new, p, o.token_ids), logprobs, atol=1e-5)
+        assert not torch.allclose(teacher_logprobs(old, p, o.token_ids), logprobs, atol=1e-3)
+    engine.update_weights(iter([old.state_dict()]))  # back, for the other tests
+    assert [(o.token_ids, o.logprobs) for o in engine.generate(PROMPTS, greedy=True)] == \
+        [(o.token_ids, o.logprobs) for o in before]
     with pytest.raises(Exception, match="no parameter"):
         engine.update_weights(iter([{"not.a.weight": torch.zeros(1)}]))
 
