@@ -1,4 +1,4 @@
-"""Session-wide fixtures: one Ray cluster and one set of tiny models per test session."""
+"""Session-wide fixtures: one Ray cluster, one set of tiny models and one built-in model cache per test session."""
 
 import os
 
@@ -39,3 +39,16 @@ def tiny_model_dir(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def builtin_model_cache(tmp_path_factory):
+    """NEMO_GRPO_CACHE for the whole session: each built-in model (the warm-started tiny ones, SmolLM2's HF
+    directory) is built once per test session, in a fresh directory, and reused by every module and run."""
+    old = os.environ.get("NEMO_GRPO_CACHE")
+    os.environ["NEMO_GRPO_CACHE"] = str(tmp_path_factory.mktemp("nemo_grpo_cache"))
+    yield os.environ["NEMO_GRPO_CACHE"]
+    if old is None:
+        os.environ.pop("NEMO_GRPO_CACHE")
+    else:
+        os.environ["NEMO_GRPO_CACHE"] = old

@@ -9,8 +9,6 @@ is an SGD step of lr 1 without clipping, so that the step IS the gradient (w_bef
 parameter with the float64 gradient. Then the HF export is loaded back by transformers, weights exact.
 """
 
-import os
-
 import pytest
 import torch
 from policy_checks import CLUSTER, TEMPERATURE, TokenPGLoss, export_state, hf_logprobs, load_hf, max_diff, policy_config
@@ -42,17 +40,9 @@ LAYOUTS.update({  # sequence packing: the 4 conversations (46-57 tokens) two to 
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """(HF directory, tokenizer, batch): the checkpoint built once into a fresh cache, and 4 chat samples."""
-    old = os.environ.get("NEMO_GRPO_CACHE")
-    os.environ["NEMO_GRPO_CACHE"] = str(tmp_path_factory.mktemp("smollm2_cache"))
-    try:
-        path = resolve_model_path(MODEL)
-    finally:
-        if old is None:
-            os.environ.pop("NEMO_GRPO_CACHE")
-        else:
-            os.environ["NEMO_GRPO_CACHE"] = old
+def smollm2(builtin_model_cache):
+    """(HF directory, tokenizer, batch): the checkpoint built once into the session's cache, and 4 chat samples."""
+    path = resolve_model_path(MODEL)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return path, tokenizer, chat_batch(tokenizer)
 

@@ -1,4 +1,5 @@
-"""Helpers of the end-to-end tests: the entry points run as a user runs them, in a fresh process, and their logs.
+"""Helpers of the end-to-end tests: the entry points run as a user runs them (a fresh process) or in this
+process on the session's Ray cluster (build_trainer, as the entry point builds it), and their logs.
 
     from train_runs import builtin_model_cache, read_metrics, run_train  # noqa: F401 (autouse fixture)
 """
@@ -10,20 +11,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def builtin_model_cache(tmp_path_factory):
-    """The warm-started built-in model is built once for the importing module's runs (NEMO_GRPO_CACHE)."""
-    old = os.environ.get("NEMO_GRPO_CACHE")
-    os.environ["NEMO_GRPO_CACHE"] = str(tmp_path_factory.mktemp("nemo_grpo_cache"))
-    yield
-    if old is None:
-        os.environ.pop("NEMO_GRPO_CACHE")
-    else:
-        os.environ["NEMO_GRPO_CACHE"] = old
+@pytest.fixture(autouse=True)
+def builtin_model_cache(builtin_model_cache):
+    """Every run of the importing module uses the session's built-in model cache (tests/conftest.py): the
+    warm-started models are built once per session, by whichever run needs one first."""
+    return builtin_model_cache
 
 
 def run_module(module: str, tmp_path, *overrides, config: str = None, timeout: int = 1500):
@@ -44,6 +42,40 @@ def run_train(tmp_path, *overrides, config: str = None, timeout: int = 1500):
                       timeout=timeout)
 
 
+def train_in_process(tmp_path, *overrides, config: str = None, measure=None):
+    """The run `python -m nemo_grpo.train` would make, built in this process on the session's Ray cluster (the
+    caller requests the ray_cluster fixture): logs and checkpoints under tmp_path, no console set-up, the
+    trainer closed after run(). measure(trainer) -> value, if given, is taken before and after the run on the
+    live policy. Returns (trainer, (before, after) or None)."""
+    from nemo_grpo.build import build_trainer
+    from nemo_grpo.validation import load_config
+
+    cfg = load_config(config, [f"checkpointing.checkpoint_dir={tmp_path}/ckpt", f"logger.log_dir={tmp_path}/logs",
+                               "logger.progress_bar=false", *overrides])
+    trainer = build_trainer(cfg)
+    try:
+        before = measure(trainer) if measure else None
+        trainer.run()
+        after = measure(trainer) if measure else None
+    finally:
+        trainer.close()
+    return trainer, ((before, after) if measure else None)
+
+
+def policy_expected_reward(trainer) -> float:
+    """The exact expected reward at temperature 1 of the trainer's live policy on its training problems (a
+    built-in recipe's): mean P(answer + EOS | prompt), from the policy's exported (LoRA: merged) weights. It
+    has no sampling noise, so a few steps of learning show in it where the sampled reward needs hundreds."""
+    from nemo_grpo.data.datasets import BUILTIN_DATASETS
+    from nemo_grpo.models.builtin import expected_reward, resolve_model_path
+
+    path = resolve_model_path(trainer.cfg.policy.model_name)  # cached: the directory build_trainer loaded
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.load_state_dict({k: v for b in trainer.policy.export_weights(64.0) for k, v in b.items()})
+    problems = BUILTIN_DATASETS[trainer.cfg.data.train.dataset_name]()
+    return expected_reward(model.eval(), AutoTokenizer.from_pretrained(path), problems)
+
+
 def read_metrics(log_dir, prefix):
     """The rows of log_dir/metrics.jsonl logged under `prefix` ("train", "val", "timing"), in order."""
     rows = [json.loads(line) for line in open(os.path.join(log_dir, "metrics.jsonl"))]
@@ -60,10 +92,12 @@ WORKER_LINE = re.compile(r"^\S*\((\w+) pid=\d+\)", re.MULTILINE)
 
 
 def summary(proc) -> dict:
-    """The fields of the run's summary line (the last line on stdout); an AssertionError if there is none."""
-    lines = proc.stdout.strip().splitlines()
+    """The fields of the run's summary line (the last line on stdout of a process, or a trainer's summary());
+    an AssertionError if there is none."""
+    text = proc.summary() if hasattr(proc, "summary") else proc.stdout
+    lines = text.strip().splitlines()
     match = SUMMARY.fullmatch(lines[-1]) if lines else None
-    assert match, "no summary line at the end of stdout:\n" + proc.stdout[-2000:]
+    assert match, "no summary line at the end of stdout:\n" + text[-2000:]
     return match.groupdict()
 
 
