@@ -22,7 +22,9 @@ def init_ray(num_cpus: int | None = None, address: str | None = None, log_to_dri
     """Join the cluster at `address` (or $RAY_ADDRESS), else start a local one on loopback. Idempotent.
 
     A local cluster gets at least 8 logical CPUs: actors here are mostly idle while another works, and
-    threads are pinned per process, so logical CPUs are scheduling slots, not cores.
+    threads are pinned per process, so logical CPUs are scheduling slots, not cores. It dies with this process,
+    even a SIGKILLed one (Ray's fate sharing, completed by distributed/reaper.py); a joined cluster is not ours
+    to stop: Ray ends our actors when this driver goes.
 
     log_to_driver=False keeps the workers' stdout and stderr (vLLM's warnings, model-loading bars, the actors'
     own logs) out of this process's console: they stay in Ray's session directory, which is logged here; and
@@ -47,7 +49,11 @@ def init_ray(num_cpus: int | None = None, address: str | None = None, log_to_dri
         context = ray.init(num_cpus=max(num_cpus or 0, os.cpu_count() or 1, 8), include_dashboard=False,
                            _node_ip_address="127.0.0.1", runtime_env=runtime_env, log_to_driver=log_to_driver,
                            configure_logging=False)
+    session = getattr(context, "address_info", {}).get("session_dir")
+    if not address and session:
+        from nemo_grpo.distributed.reaper import start_reaper
+
+        start_reaper(session)
     if not log_to_driver:
-        session = getattr(context, "address_info", {}).get("session_dir")
         where = os.path.join(session, "logs") if session else "Ray's session directory (/tmp/ray/session_latest/logs)"
         log.info("Ray workers' output (stdout/stderr of every actor): %s/worker-*.out, *.err", where)

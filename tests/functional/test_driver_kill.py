@@ -1,0 +1,121 @@
+"""`kill -9` of a training run's driver: nothing the run started outlives it, and a rerun resumes from the newest
+checkpoint. The run's processes are its session (the driver leads a new one; Ray's daemons, the workers and the
+agents inherit it) and every descendant seen while it ran (the reaper and sandboxes start sessions of their own)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from train_runs import ROOT, builtin_model_cache, summary  # noqa: F401 (autouse fixture)
+
+# the cheapest run that trains, checkpoints and resumes: one policy rank, the torch engine, no validation
+CHEAP = ["logger.progress_bar=false", "grpo.num_prompts_per_step=8", "policy.train_global_batch_size=64",
+         "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.save_period=1",
+         "policy.generation.backend=torch", "cluster.gpus_per_node=1", "env.math.num_workers=1"]
+GONE_WITHIN_S = 10.0
+
+
+def run_processes(driver: int, seen: dict) -> dict:
+    """Add to `seen` (pid -> psutil.Process) the processes of the driver's session and its descendants."""
+    for pid in psutil.pids():
+        try:
+            if pid not in seen and os.getsid(pid) == driver:
+                seen[pid] = psutil.Process(pid)
+        except (OSError, psutil.Error):
+            continue
+    try:
+        for child in psutil.Process(driver).children(recursive=True):
+            seen.setdefault(child.pid, child)
+    except psutil.Error:
+        pass
+    return seen
+
+
+def alive(procs) -> list[str]:
+    """`pid name` of each of `procs` that still runs (the same process: psutil checks its start time)."""
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {p.name()}")
+        except psutil.Error:
+            continue
+    return out
+
+
+def checkpoints(ckpt_dir) -> list[int]:
+    return sorted(int(m.group(1)) for d in os.listdir(ckpt_dir) if (m := re.fullmatch(r"step_(\d+)", d)))
+
+
+def test_the_reaper_ends_its_sessions_processes_when_its_driver_dies(tmp_path):
+    """A stand-in driver starts the reaper of a session directory; when it is SIGKILLed, a process holding a file
+    there dies (one ignoring SIGTERM too), and a process that holds none is spared."""
+    session = tmp_path / "session"
+    session.mkdir()
+    hold = "import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nf = open(sys.argv[1], 'w')\n" \
+           "time.sleep(120)"
+    member = subprocess.Popen([sys.executable, "-c", hold, str(session / "log")])
+    other = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "elsewhere")])
+    driver = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nemo_grpo.distributed.reaper import "
+                               f"start_reaper\nstart_reaper({str(session)!r})\nprint('up', flush=True)\n"
+                               "time.sleep(120)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline() == "up\n"
+        while not (session / "log").exists():
+            time.sleep(0.05)
+        reaper = psutil.Process(driver.pid).children()
+        driver.kill()
+        driver.wait()
+        assert member.wait(timeout=GONE_WITHIN_S) == -signal.SIGKILL  # SIGTERM ignored: the grace, then SIGKILL
+        psutil.wait_procs(reaper, timeout=GONE_WITHIN_S)
+        assert other.poll() is None and not alive(reaper)
+    finally:
+        for p in (member, other, driver):
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.slow
+def test_a_killed_driver_leaves_nothing_behind_and_the_rerun_resumes(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    paths = [f"checkpointing.checkpoint_dir={tmp_path}/ckpt", f"logger.log_dir={tmp_path}/logs"]
+    cmd = [sys.executable, "-m", "nemo_grpo.train", *paths, *CHEAP]
+    with open(tmp_path / "first.err", "w") as err:
+        proc = subprocess.Popen([*cmd, "grpo.max_num_steps=200"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=err, start_new_session=True)
+    seen = {}
+    try:
+        deadline = time.monotonic() + 900  # a cold built-in model cache is built first (minutes on 2 busy cores)
+        while not (os.path.isdir(f"{tmp_path}/ckpt") and checkpoints(f"{tmp_path}/ckpt")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("no checkpoint:\n" + (tmp_path / "first.err").read_text()[-3000:])
+            run_processes(proc.pid, seen)
+            time.sleep(0.2)
+        run_processes(proc.pid, seen)
+        assert any("raylet" in p.name() for p in seen.values()), "the run's Ray cluster was not found"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while (left := alive(run_processes(proc.pid, seen).values())) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in seen.values():  # what the test failed on: not left for the next run
+            if alive([p]):
+                p.kill()
+    assert not left, f"{len(left)} of the run's {len(seen)} processes outlived it by {GONE_WITHIN_S} s: {left}"
+
+    newest = checkpoints(f"{tmp_path}/ckpt")[-1]
+    rerun = subprocess.run([*cmd, f"grpo.max_num_steps={newest + 1}"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    done = summary(rerun)
+    assert (done["steps"], done["resumed_at"]) == (str(newest + 1), str(newest)), done
