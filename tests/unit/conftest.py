@@ -1,0 +1,19 @@
+"""tests/unit is the tier that starts nothing: no subprocess, no Ray cluster, no process group. A test that
+tries fails at once with where it belongs; such a test lives in tests/functional."""
+
+import subprocess
+
+import pytest
+
+
+def _refuse(what: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"tests/unit starts no {what}: move this test to tests/functional")
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def nothing_started(monkeypatch):
+    monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("subprocess"))
+    monkeypatch.setattr("ray.init", _refuse("Ray cluster"))
+    monkeypatch.setattr("torch.distributed.init_process_group", _refuse("process group"))
