@@ -16,7 +16,7 @@ def logprobs_and_gradient(path: str, layout: str, attention: str, batch: dict, p
              "optimizer.name": "sgd", "optimizer.lr": 1.0, "optimizer.warmup_steps": 0, "max_grad_norm": None}
     if packed:
         extra.update({"sequence_packing.train_mb_tokens": 64, "sequence_packing.logprob_mb_tokens": 64})
-    with megatron_policy(path, layout, logprob_batch_size=4, **extra) as policy:
+    with megatron_policy(None, path, layout, logprob_batch_size=4, **extra) as policy:
         lp = policy.get_logprobs(batch)
         before = export_state(policy)
         policy.train(batch, TokenPGLoss())

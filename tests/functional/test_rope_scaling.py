@@ -46,7 +46,7 @@ def test_llama3_scaling_matches_hf(ray_cluster, tiny_model_dir, layout, tmp_path
     batch = make_batch(5, seed=12, t=LONG)
     with torch.no_grad():
         ref = hf_logprobs(load_hf(path).eval(), batch)
-    with megatron_policy(path, layout, logprob_batch_size=4) as policy:
+    with megatron_policy(None, path, layout, logprob_batch_size=4) as policy:
         error = (policy.get_logprobs(batch) - ref).abs().max().item()
         print(f"llama3 RoPE scaling, {layout}: log-prob error against HF {error:.1e}")
         assert error <= 1e-5
@@ -64,7 +64,7 @@ def test_llama3_scaling_matches_hf(ray_cluster, tiny_model_dir, layout, tmp_path
 
 def test_linear_scaling_matches_hf(ray_cluster, tiny_model_dir):
     path = scaled_llama(tiny_model_dir, dict(rope_type="linear", factor=2.0))
-    with megatron_policy(path, "tp1", logprob_batch_size=4) as policy:
+    with megatron_policy(None, path, "tp1", logprob_batch_size=4) as policy:
         assert_logprobs_match_hf(policy, path, make_batch(4, seed=14, t=LONG))
 
 
