@@ -1,10 +1,13 @@
 """Async GRPO end to end on the CPU (non-colocated generation, importance-sampling correction): with
 max_trajectory_age_steps 0 it is synchronous GRPO step for step; with 1 every trajectory is at most one step old,
 a checkpoint taken with rollouts in flight resumes; in-flight weight updates run; a killed generation actor stops
-the run with a message; the default recipe learns async."""
+the run with a message (a process of its own, as a user meets it); the default recipe learns async. The
+runs but the killed one are built in this process on the session's Ray cluster (train_in_process)."""
 
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +15,8 @@ import time
 
 import psutil
 import pytest
-from train_runs import ROOT, builtin_model_cache, read_metrics, run_train, summary  # noqa: F401
+from train_runs import (ROOT, builtin_model_cache, policy_expected_reward, read_metrics, summary,  # noqa: F401
+                        train_in_process)
 
 COMMON = ["policy.generation.colocated.enabled=false", "loss_fn.use_importance_sampling_correction=true",
           "grpo.val_at_start=false", "grpo.val_period=0", "grpo.val_at_end=false", "grpo.num_prompts_per_step=8",
@@ -21,11 +25,11 @@ ASYNC = ["grpo.async_grpo.enabled=true"]
 
 
 @pytest.mark.slow
-def test_zero_age_is_synchronous_grpo(tmp_path):
+def test_zero_age_is_synchronous_grpo(ray_cluster, tmp_path):
     sync, zero = tmp_path / "sync", tmp_path / "zero"
-    run_train(sync, "grpo.max_num_steps=3", "checkpointing.enabled=false", *COMMON)
-    run_train(zero, "grpo.max_num_steps=3", "checkpointing.enabled=false", *COMMON, *ASYNC,
-              "grpo.async_grpo.max_trajectory_age_steps=0")
+    train_in_process(sync, "grpo.max_num_steps=3", "checkpointing.enabled=false", *COMMON)
+    train_in_process(zero, "grpo.max_num_steps=3", "checkpointing.enabled=false", *COMMON, *ASYNC,
+                     "grpo.async_grpo.max_trajectory_age_steps=0")
     a, b = read_metrics(f"{sync}/logs", "train"), read_metrics(f"{zero}/logs", "train")
     assert [r["step"] for r in b] == [1, 2, 3]
     for key in ("reward", "loss", "grad_norm", "token_mult_prob_error", "mean_response_length"):
@@ -36,20 +40,21 @@ def test_zero_age_is_synchronous_grpo(tmp_path):
 
 
 @pytest.mark.slow
-def test_ages_stay_within_the_bound_and_a_checkpoint_with_rollouts_in_flight_resumes(tmp_path):
+def test_ages_stay_within_the_bound_and_a_checkpoint_with_rollouts_in_flight_resumes(ray_cluster, tmp_path,
+                                                                                      caplog):
     args = ["grpo.max_num_steps=4", "checkpointing.save_period=2", *COMMON, *ASYNC,
             "grpo.async_grpo.max_trajectory_age_steps=1"]
-    run_train(tmp_path, *args)
+    caplog.set_level(logging.INFO, logger="nemo_grpo")
+    train_in_process(tmp_path, *args)
     ages = read_metrics(f"{tmp_path}/logs", "async")
     assert [r["step"] for r in ages] == [1, 2, 3, 4]
     assert all(r["trajectory_age_max"] <= 1 and r["dropped_stale"] == 0 for r in ages)
     assert max(r["trajectory_age_max"] for r in ages) == 1  # generation did run ahead of training
     assert all("generation_wait" in r for r in read_metrics(f"{tmp_path}/logs", "timing"))
-    log_text = open(f"{tmp_path}/logs/run.log").read()
-    assert "checkpoint at step 2: rollouts in flight" in log_text
+    assert "checkpoint at step 2: rollouts in flight" in caplog.text
     # as if the run had died after step 3: resume from the step-2 checkpoint, whose rollouts in flight were lost
-    subprocess.run(["rm", "-rf", f"{tmp_path}/ckpt/step_4"], check=True)
-    done = summary(run_train(tmp_path, *args))
+    shutil.rmtree(f"{tmp_path}/ckpt/step_4")
+    done = summary(train_in_process(tmp_path, *args)[0])
     assert (done["steps"], done["resumed_at"]) == ("4", "2")
     resumed = read_metrics(f"{tmp_path}/logs", "async")[4:]
     assert [r["step"] for r in resumed] == [3, 4] and resumed[0]["trajectory_age_max"] == 0  # regenerated
@@ -67,13 +72,13 @@ LONG_GENERATION = ["cluster.gpus_per_node=1", "grpo.num_prompts_per_step=2", "gr
 
 
 @pytest.mark.slow
-def test_in_flight_weight_updates_run_within_the_age_bound(tmp_path, tiny_model_dir):
+def test_in_flight_weight_updates_run_within_the_age_bound(ray_cluster, tmp_path, tiny_model_dir):
     """The trainer refits without waiting for the generation batch under way and the engine takes the weights
     between two forward steps (async/refits_mid_generation, cumulative, counts them); ages stay within the
     bound, counted from each batch's first weights."""
     model = tiny_model_dir("qwen2", vocab_size=256, max_position_embeddings=256)
-    run_train(tmp_path, "grpo.max_num_steps=4", "checkpointing.enabled=false", *COMMON, *ASYNC,
-              "grpo.async_grpo.in_flight_weight_updates=true", f"policy.model_name={model}", *LONG_GENERATION)
+    train_in_process(tmp_path, "grpo.max_num_steps=4", "checkpointing.enabled=false", *COMMON, *ASYNC,
+                     "grpo.async_grpo.in_flight_weight_updates=true", f"policy.model_name={model}", *LONG_GENERATION)
     ages = read_metrics(f"{tmp_path}/logs", "async")
     assert [r["step"] for r in ages] == [1, 2, 3, 4]
     assert all(r["trajectory_age_max"] <= 1 and r["dropped_stale"] == 0 for r in ages)
@@ -115,15 +120,22 @@ def test_a_killed_generation_actor_stops_the_run_with_a_message(tmp_path):
     assert "GenerationFailed" in err and "the run stops" in err, err[-3000:]
 
 
+ASYNC_STEPS = 60
+
+
 @pytest.mark.slow
-def test_default_recipe_learns_async(tmp_path):
-    """The default recipe's criterion (last 10 steps' mean reward >= first 10 + 0.3), one step off-policy."""
-    run_train(tmp_path, "policy.generation.colocated.enabled=false", "loss_fn.use_importance_sampling_correction=true",
-              *ASYNC, "grpo.async_grpo.max_trajectory_age_steps=1")
-    rewards = [r["reward"] for r in read_metrics(f"{tmp_path}/logs", "train")]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    print(f"async reward first10={first:.3f} last10={last:.3f}; by 50 steps: "
-          + " ".join(f"{sum(rewards[i:i + 50]) / 50:.2f}" for i in range(0, len(rewards), 50)))
-    assert len(rewards) == 400 and last - first >= 0.3, (first, last)
+def test_default_recipe_learns_async(ray_cluster, tmp_path):
+    """The default recipe one step off-policy (non-colocated engine, importance-sampling correction): the policy's
+    exact expected reward (policy_expected_reward, from 0.265) rises within ASYNC_STEPS steps. Measured gains after
+    30 / 60 steps, seeds 1, 2, 3: +0.008 / +0.064, +0.063 / +0.105, +0.059 / +0.103; the synchronous objectives'
+    wander as much (test_grpo_e2e.py: the least of 15 runs +0.025 at 60). The criterion: +0.02 by step 60 (the
+    sampled-reward criterion, +0.3, took 400)."""
+    trainer, (before, after) = train_in_process(
+        tmp_path, "policy.generation.colocated.enabled=false", "loss_fn.use_importance_sampling_correction=true",
+        *ASYNC, "grpo.async_grpo.max_trajectory_age_steps=1", f"grpo.max_num_steps={ASYNC_STEPS}", "grpo.val_period=0",
+        "grpo.val_at_start=false", "grpo.val_at_end=false",
+        "checkpointing.enabled=false", "logger.plot=false", measure=policy_expected_reward)
+    print(f"async: expected reward {before:.4f} -> {after:.4f}")
+    assert len(trainer.history) == ASYNC_STEPS and after - before >= 0.02, (before, after)
     ages = read_metrics(f"{tmp_path}/logs", "async")
     assert max(r["trajectory_age_max"] for r in ages) == 1

@@ -1,22 +1,28 @@
-"""End-to-end on the CPU: the default recipe learns on both back ends; a killed run resumes exactly; GRPO
-against a reward model trained here raises that model's reward; the code recipe learns in the sandbox."""
+"""End-to-end on the CPU: the default recipe learns on both back ends (the long runs: DTensor as a user runs it, in
+a fresh process; Megatron in this process); a run resumed from its checkpoint continues exactly; GRPO against a
+reward model trained here raises that model's reward; the code recipe learns in the sandbox; the objectives users
+switch on and LoRA learn. All but the first run in this process on the session's Ray cluster (train_in_process)."""
 
 import os
 
 import pytest
-from train_runs import (assert_quiet_console, builtin_model_cache, read_metrics, run_module,  # noqa: F401
-                        run_train, summary)
+from train_runs import (assert_quiet_console, builtin_model_cache, policy_expected_reward, read_metrics,  # noqa: F401
+                        run_train, summary, train_in_process)
+
+
+def first_and_last_10(rewards: list[float]) -> tuple[float, float]:
+    return sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["dtensor", "megatron"])
-def test_default_recipe_learns(tmp_path, backend):
-    """The issue's criterion: mean reward of the last 10 steps >= first 10 + 0.3, fixed seed; on each back end."""
-    proc = run_train(tmp_path, f"policy.backend={backend}")
+def test_default_recipe_learns_as_a_user_runs_it(tmp_path):
+    """The issue's criterion: mean reward of the last 10 steps >= first 10 + 0.3, fixed seed; DTensor, the default,
+    in a fresh `python -m nemo_grpo.train` process: its console, summary line, run.log and plot."""
+    proc = run_train(tmp_path)
     train = read_metrics(f"{tmp_path}/logs", "train")
     rewards = [r["reward"] for r in train]
     assert len(rewards) == 400
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    first, last = first_and_last_10(rewards)
     print(f"reward first10={first:.3f} last10={last:.3f}")
     assert last - first >= 0.3, (first, last)
     val = read_metrics(f"{tmp_path}/logs", "val")
@@ -36,9 +42,24 @@ def test_default_recipe_learns(tmp_path, backend):
 
 
 @pytest.mark.slow
-def test_kill_and_resume_continues_exactly(tmp_path):
-    """4 steps straight vs 2 steps, a new process resuming from the step-2 checkpoint, 2 more."""
-    common = ["grpo.val_at_start=false", "grpo.val_period=0", "grpo.val_at_end=false",
+def test_default_recipe_learns_on_megatron(ray_cluster, tmp_path):
+    """The same criterion on the Megatron back end, 400 steps, in this process."""
+    trainer, _ = train_in_process(tmp_path, "policy.backend=megatron", "logger.plot=false")
+    rewards = [r["reward"] for r in trainer.history]
+    assert len(rewards) == 400
+    first, last = first_and_last_10(rewards)
+    print(f"reward first10={first:.3f} last10={last:.3f}")
+    assert last - first >= 0.3, (first, last)
+    val = read_metrics(f"{tmp_path}/logs", "val")
+    assert val[-1]["accuracy"] > val[0]["accuracy"]
+    assert all(abs(r["token_mult_prob_error"] - 1.0) < 1e-3 for r in trainer.history)
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(ray_cluster, tmp_path):
+    """4 steps straight vs 2 steps, a new trainer resuming from the step-2 checkpoint, 2 more. (A SIGKILLed
+    driver's resume, as a user meets it: test_driver_kill.py.)"""
+    common = ["grpo.val_at_start=false", "grpo.val_period=0", "grpo.val_at_end=false", "logger.plot=false",
               "checkpointing.save_period=2", "grpo.num_prompts_per_step=8", "policy.train_global_batch_size=64",
               "policy.generation.backend=torch",  # the fallback engine, end to end (the learning test uses vLLM)
               # the trainer's other reward path, end to end: a reference model (restored on resume), its KL taken
@@ -47,9 +68,9 @@ def test_kill_and_resume_continues_exactly(tmp_path):
               "grpo.adv_estimator.name=reinforce_plus_plus", "grpo.reward_shaping.enabled=true",
               "grpo.reward_shaping.overlong_buffer_length=2", "grpo.reward_shaping.overlong_buffer_penalty=0.5"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    run_train(straight, "grpo.max_num_steps=4", *common)
-    first = run_train(split, "grpo.max_num_steps=2", *common)
-    resumed = run_train(split, "grpo.max_num_steps=4", *common)
+    train_in_process(straight, "grpo.max_num_steps=4", *common)
+    first, _ = train_in_process(split, "grpo.max_num_steps=2", *common)
+    resumed, _ = train_in_process(split, "grpo.max_num_steps=4", *common)
     a = read_metrics(f"{straight}/logs", "train")
     b = read_metrics(f"{split}/logs", "train")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
@@ -63,39 +84,50 @@ def test_kill_and_resume_continues_exactly(tmp_path):
     done = summary(resumed)
     assert (done["steps"], done["resumed_at"]) == ("4", "2") and done["checkpoint"].endswith("ckpt/step_4")
     assert (float(done["first"]), float(done["last"])) == (round(b[2]["reward"], 2), round(b[3]["reward"], 2))
-    assert_quiet_console(resumed)
 
 
 @pytest.mark.slow
-def test_grpo_against_a_reward_model_trained_here(tmp_path):
+def test_grpo_against_a_reward_model_trained_here(ray_cluster, tmp_path):
     """train_rm on Megatron (TP=2) -> its HF export scores GRPO rollouts on the DTensor back end's reward
     model environment; the reward model's reward rises by the default recipe's criterion."""
+    from nemo_grpo.algorithms.reward_model import RewardModelTrainer
+    from nemo_grpo.validation import load_rm_train_config
+
     rm_dir = tmp_path / "rm"
-    run_module("nemo_grpo.train_rm", rm_dir, "policy.backend=megatron",
-               "policy.megatron_cfg.tensor_model_parallel_size=2", f"rm.output_dir={rm_dir}",
-               config="configs/rm_tiny_cpu.yaml")
+    rm_cfg = load_rm_train_config("configs/rm_tiny_cpu.yaml", [
+        "policy.backend=megatron", "policy.megatron_cfg.tensor_model_parallel_size=2", f"rm.output_dir={rm_dir}",
+        f"checkpointing.checkpoint_dir={rm_dir}/ckpt", f"logger.log_dir={rm_dir}/logs"])
+    rm_trainer = RewardModelTrainer(rm_cfg)
+    try:
+        rm_trainer.run()
+    finally:
+        rm_trainer.close()
     val = read_metrics(f"{rm_dir}/logs", "val")
     assert val[-1]["accuracy"] >= 0.8, val
-    run_train(tmp_path / "grpo", f"env.reward_model.model_name={rm_dir}/hf", "grpo.max_num_steps=100",
-              "grpo.val_period=0", "grpo.val_at_start=false", config="configs/grpo_rm_tiny_cpu.yaml")
-    train = read_metrics(f"{tmp_path}/grpo/logs", "train")
-    rewards = [r["reward"] for r in train]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    trainer, _ = train_in_process(tmp_path / "grpo", f"env.reward_model.model_name={rm_dir}/hf",
+                                  "grpo.max_num_steps=100", "grpo.val_period=0", "grpo.val_at_start=false",
+                                  "logger.plot=false", config="configs/grpo_rm_tiny_cpu.yaml")
+    first, last = first_and_last_10([r["reward"] for r in trainer.history])
     assert last - first >= 0.3, (first, last)
-    assert all(r["reward_model_env/num_samples"] == 128 for r in train)
+    assert all(r["reward_model_env/num_samples"] == 128 for r in trainer.history)
+
+
+CODE_STEPS = 10
 
 
 @pytest.mark.slow
-def test_code_recipe_learns(tmp_path):
-    """GRPO with the code environment: programs run in the sandbox; reward and greedy accuracy rise."""
-    run_train(tmp_path, config="configs/grpo_code_tiny_cpu.yaml")
-    train = read_metrics(f"{tmp_path}/logs", "train")
-    rewards = [r["reward"] for r in train]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last - first >= 0.3, (first, last)
-    val = read_metrics(f"{tmp_path}/logs", "val")
-    assert val[-1]["accuracy"] > val[0]["accuracy"] + 0.3, val
-    assert all(r["code/num_samples"] == 64 for r in train)
+def test_code_recipe_learns(ray_cluster, tmp_path):
+    """GRPO with the code environment: programs run in the sandbox, and the policy's exact probability of the
+    reference programs (policy_expected_reward: "print(3*4)" for "code:3 times 4=") rises. Measured at 10 / 20 / 30
+    steps from 0.022, seeds 1, 2, 3: 0.250 / 0.371 / 0.513, 0.280 / 0.453 / 0.519, 0.235 / 0.391 / 0.468. The
+    criterion: +0.15 at 10 steps (the old one, +0.3 sampled reward, took the recipe's 100 steps)."""
+    trainer, (before, after) = train_in_process(tmp_path, f"grpo.max_num_steps={CODE_STEPS}", "grpo.val_period=0",
+                                                "grpo.val_at_start=false", "grpo.val_at_end=false", "logger.plot=false",
+                                                "checkpointing.enabled=false", config="configs/grpo_code_tiny_cpu.yaml",
+                                                measure=policy_expected_reward)
+    print(f"code: expected reward {before:.4f} -> {after:.4f}")
+    assert len(trainer.history) == CODE_STEPS and after - before >= 0.15, (before, after)
+    assert all(r["code/num_samples"] == 64 for r in trainer.history)
 
 
 # the objectives users switch on, on the default recipe; two optimizer steps per rollout batch, so the second
@@ -104,40 +136,36 @@ OBJECTIVES = {
     "gspo": ["loss_fn.sequence_level_importance_ratios=true", "loss_fn.token_level_loss=false"],
     "cispo": ["loss_fn.use_cispo=true"],
     "dr_grpo": ["loss_fn.loss_aggregation=seq_mean_token_sum_norm", "grpo.normalize_rewards=false"],
+    "lora": [],  # configs/grpo_tiny_lora_cpu.yaml: rank 8 on every linear layer, the default objective
 }
-OBJECTIVE_STEPS = 200
+SHORT_RUN = ["policy.train_global_batch_size=64", "grpo.val_period=0", "grpo.val_at_start=false",
+             "grpo.val_at_end=false", "checkpointing.enabled=false", "logger.plot=false"]
+LEARNING_STEPS = 60
+# The learning signal: the policy's exact expected reward on the 100 problems (policy_expected_reward, from 0.265)
+# after LEARNING_STEPS steps minus before. Measured gains after 20 / 40 / 60 steps, seeds 1, 2, 3 (grpo.seed):
+#   default  +0.038 / +0.070 / +0.118   +0.025 / -0.005 / +0.025   +0.055 / +0.086 / +0.134
+#   gspo     +0.030 / +0.066 / +0.122   +0.054 / -0.005 / +0.069   +0.017 / +0.062 / +0.072
+#   cispo    +0.011 / +0.022 / +0.077   +0.035 / +0.097 / +0.057   +0.019 / +0.022 / +0.052
+#   dr_grpo  +0.042 / +0.088 / +0.061   +0.042 / +0.001 / +0.034   +0.050 / +0.081 / +0.101
+#   lora     -0.007 / +0.034 / +0.064   +0.026 / +0.064 / +0.092   +0.035 / +0.027 / +0.059
+# Sampling makes the trajectories wander (a seed can stand still for 20 steps), but no run has failed to gain by
+# step 60 (15 runs, the least +0.025); without learning the figure does not move at all (it is exact), and a
+# wrong-signed objective lowers it. The criterion: +0.02 by step 60 (the sampled-reward criterion needed 200).
+MIN_GAIN = 0.02
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", OBJECTIVES)
-def test_objective_learns(tmp_path, objective):
-    """Reward rises as it does with the default objective. Measured gains (mean of the last 10 steps - the
-    first 10) at 200 / 400 steps, seed 42: default objective +0.19 / +0.37, GSPO +0.32 / +0.47, CISPO +0.26 /
-    +0.53, Dr.GRPO +0.28 / +0.51. The criterion: >= +0.15 at 200 steps."""
-    run_train(tmp_path, "policy.train_global_batch_size=64", f"grpo.max_num_steps={OBJECTIVE_STEPS}",
-              "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.enabled=false",
-              "logger.plot=false", *OBJECTIVES[objective])
-    train = read_metrics(f"{tmp_path}/logs", "train")
-    rewards = [r["reward"] for r in train]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    print(f"{objective}: reward first10={first:.3f} last10={last:.3f}")
-    assert len(rewards) == OBJECTIVE_STEPS and last - first >= 0.15, (first, last)
-    if objective != "dr_grpo":  # the off-policy step clipped something: the objective's own clip ran
-        assert max(r["clip_fraction"] for r in train) > 0
-
-
-@pytest.mark.slow
-def test_lora_recipe_learns(tmp_path):
-    """configs/grpo_tiny_lora_cpu.yaml (rank 8 on every linear layer) raises its reward, and the engine samples from
-    the merged policy after every refit, the later ones sending only the layers under adapters. Measured gains
-    (last 10 steps - first 10) at 200 steps, seed 42: lr 1e-3 +0.11, 2e-3 (the recipe's) +0.15, 3e-3 +0.09,
-    5e-3 -0.18 (collapses); the full-parameter run +0.19. The criterion: >= +0.10 at 200 steps."""
-    run_train(tmp_path, "policy.train_global_batch_size=64", f"grpo.max_num_steps={OBJECTIVE_STEPS}",
-              "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.enabled=false",
-              "logger.plot=false", config="configs/grpo_tiny_lora_cpu.yaml")
-    train = read_metrics(f"{tmp_path}/logs", "train")
-    rewards = [r["reward"] for r in train]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    print(f"LoRA: reward first10={first:.3f} last10={last:.3f}")
-    assert len(rewards) == OBJECTIVE_STEPS and last - first >= 0.10, (first, last)
-    assert all(abs(r["token_mult_prob_error"] - 1.0) < 1e-3 for r in train)
+def test_objective_learns(ray_cluster, tmp_path, objective):
+    """The policy's expected reward rises by MIN_GAIN within LEARNING_STEPS steps, with each objective; with
+    LoRA, the engine samples from the merged policy after every refit (the later refits send only the layers
+    under adapters)."""
+    config = "configs/grpo_tiny_lora_cpu.yaml" if objective == "lora" else None
+    trainer, (before, after) = train_in_process(tmp_path, *SHORT_RUN, f"grpo.max_num_steps={LEARNING_STEPS}",
+                                                *OBJECTIVES[objective], config=config, measure=policy_expected_reward)
+    print(f"{objective}: expected reward {before:.4f} -> {after:.4f}")
+    assert len(trainer.history) == LEARNING_STEPS and after - before >= MIN_GAIN, (before, after)
+    if objective in ("gspo", "cispo"):  # the off-policy step clipped something: the objective's own clip ran
+        assert max(r["clip_fraction"] for r in trainer.history) > 0
+    if objective == "lora":
+        assert all(abs(r["token_mult_prob_error"] - 1.0) < 1e-3 for r in trainer.history)
