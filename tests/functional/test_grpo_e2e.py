@@ -14,30 +14,37 @@ def first_and_last_10(rewards: list[float]) -> tuple[float, float]:
     return sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
 
 
+def assert_default_recipe_learned(train: list[dict], log_dir: str) -> list[dict]:
+    """The default recipe's criterion on a run's train rows: 400 steps, mean reward of the last 10 >= first 10 +
+    0.3, validation accuracy up, the engine sampling from the policy it was refit with (fp32, same kernels).
+    Returns the validation rows."""
+    rewards = [r["reward"] for r in train]
+    assert len(rewards) == 400
+    first, last = first_and_last_10(rewards)
+    print(f"reward first10={first:.3f} last10={last:.3f}")
+    assert last - first >= 0.3, (first, last)
+    val = read_metrics(log_dir, "val")
+    assert val[-1]["accuracy"] > val[0]["accuracy"]
+    assert all(abs(r["token_mult_prob_error"] - 1.0) < 1e-3 for r in train)
+    return val
+
+
 @pytest.mark.slow
 def test_default_recipe_learns_as_a_user_runs_it(tmp_path):
     """The issue's criterion: mean reward of the last 10 steps >= first 10 + 0.3, fixed seed; DTensor, the default,
     in a fresh `python -m nemo_grpo.train` process: its console, summary line, run.log and plot."""
     proc = run_train(tmp_path)
     train = read_metrics(f"{tmp_path}/logs", "train")
-    rewards = [r["reward"] for r in train]
-    assert len(rewards) == 400
-    first, last = first_and_last_10(rewards)
-    print(f"reward first10={first:.3f} last10={last:.3f}")
-    assert last - first >= 0.3, (first, last)
-    val = read_metrics(f"{tmp_path}/logs", "val")
-    assert val[-1]["accuracy"] > val[0]["accuracy"]
+    val = assert_default_recipe_learned(train, f"{tmp_path}/logs")
     # the console: our progress only (vLLM's warnings stay in Ray's session logs), then the summary line
     assert_quiet_console(proc)
     done = summary(proc)
     best = max(v["accuracy"] for v in val)
-    assert done["steps"] == "400" and float(done["first"]) == round(rewards[0], 2)
+    assert done["steps"] == "400" and float(done["first"]) == round(train[0]["reward"], 2)
     assert float(done["best"]) == round(best, 2)
     assert int(done["best_step"]) == min(v["step"] for v in val if v["accuracy"] == best)
     assert done["checkpoint"].endswith("ckpt/step_400") and done["plot"].endswith("logs/reward.png")
     assert os.path.getsize(f"{tmp_path}/logs/run.log") > 0
-    # mismatch metrics: the engine samples from the policy it was refit with (fp32, same kernels)
-    assert all(abs(r["token_mult_prob_error"] - 1.0) < 1e-3 for r in train)
     assert os.path.isfile(f"{tmp_path}/logs/reward.png")
 
 
@@ -45,14 +52,7 @@ def test_default_recipe_learns_as_a_user_runs_it(tmp_path):
 def test_default_recipe_learns_on_megatron(ray_cluster, tmp_path):
     """The same criterion on the Megatron back end, 400 steps, in this process."""
     trainer, _ = train_in_process(tmp_path, "policy.backend=megatron", "logger.plot=false")
-    rewards = [r["reward"] for r in trainer.history]
-    assert len(rewards) == 400
-    first, last = first_and_last_10(rewards)
-    print(f"reward first10={first:.3f} last10={last:.3f}")
-    assert last - first >= 0.3, (first, last)
-    val = read_metrics(f"{tmp_path}/logs", "val")
-    assert val[-1]["accuracy"] > val[0]["accuracy"]
-    assert all(abs(r["token_mult_prob_error"] - 1.0) < 1e-3 for r in trainer.history)
+    assert_default_recipe_learned(trainer.history, f"{tmp_path}/logs")
 
 
 @pytest.mark.slow
