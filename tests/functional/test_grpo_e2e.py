@@ -112,21 +112,17 @@ def test_grpo_against_a_reward_model_trained_here(ray_cluster, tmp_path):
     assert all(r["reward_model_env/num_samples"] == 128 for r in trainer.history)
 
 
-CODE_STEPS = 10
-
-
 @pytest.mark.slow
 def test_code_recipe_learns(ray_cluster, tmp_path):
-    """GRPO with the code environment: programs run in the sandbox, and the policy's exact probability of the
-    reference programs (policy_expected_reward: "print(3*4)" for "code:3 times 4=") rises. Measured at 10 / 20 / 30
-    steps from 0.022, seeds 1, 2, 3: 0.250 / 0.371 / 0.513, 0.280 / 0.453 / 0.519, 0.235 / 0.391 / 0.468. The
-    criterion: +0.15 at 10 steps (the old one, +0.3 sampled reward, took the recipe's 100 steps)."""
-    trainer, (before, after) = train_in_process(tmp_path, f"grpo.max_num_steps={CODE_STEPS}", "grpo.val_period=0",
-                                                "grpo.val_at_start=false", "grpo.val_at_end=false", "logger.plot=false",
-                                                "checkpointing.enabled=false", config="configs/grpo_code_tiny_cpu.yaml",
-                                                measure=policy_expected_reward)
-    print(f"code: expected reward {before:.4f} -> {after:.4f}")
-    assert len(trainer.history) == CODE_STEPS and after - before >= 0.15, (before, after)
+    """GRPO with the code environment (the recipe's 100 steps): programs run in the sandbox; reward and greedy
+    accuracy rise. (The policy's exact probability of the reference programs is no measure here: it may learn
+    other programs that print the right value, "print(12)" for "code:3 times 4=". At seed 42 that probability fell
+    from 0.022 to 0.010 in 10 steps, where seeds 1, 2, 3 took it to 0.25, 0.28, 0.24.)"""
+    trainer, _ = train_in_process(tmp_path, "logger.plot=false", config="configs/grpo_code_tiny_cpu.yaml")
+    first, last = first_and_last_10([r["reward"] for r in trainer.history])
+    assert last - first >= 0.3, (first, last)
+    val = read_metrics(f"{tmp_path}/logs", "val")
+    assert val[-1]["accuracy"] > val[0]["accuracy"] + 0.3, val
     assert all(r["code/num_samples"] == 64 for r in trainer.history)
 
 

@@ -16,4 +16,6 @@ def _refuse(what: str):
 def nothing_started(monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("subprocess"))
     monkeypatch.setattr("ray.init", _refuse("Ray cluster"))
+    # nor joins the session's (init_ray returns at once when the functional tests' cluster is up)
+    monkeypatch.setattr("nemo_grpo.distributed.cluster.init_ray", _refuse("Ray cluster"))
     monkeypatch.setattr("torch.distributed.init_process_group", _refuse("process group"))

@@ -8,7 +8,6 @@ case checks that Ray is not running. tests/functional/test_bad_input_e2e.py runs
 import logging
 import os
 import shutil
-import sys
 import warnings
 
 import pytest
@@ -64,14 +63,13 @@ def train(tmp_path, capsys, monkeypatch, user_console):
 
 
 def one_error_line(status: int, capsys) -> str:
-    """The run failed with status 2, printed nothing on stdout and exactly one line on stderr (its message),
-    and Ray is not running."""
+    """The run failed with status 2, printed nothing on stdout and exactly one line on stderr (its message).
+    It started no Ray cluster: tests/unit/conftest.py refuses init_ray, so a run that got that far fails here."""
     out, err = capsys.readouterr()
     assert status == EXIT_USER_ERROR, (status, err[-3000:])
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
     assert out == ""
-    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
     return lines[0]
 
 
