@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from policy_checks import export_state, load_hf
+from transformers import AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,8 +70,7 @@ def policy_expected_reward(trainer) -> float:
     from nemo_grpo.models.builtin import expected_reward, resolve_model_path
 
     path = resolve_model_path(trainer.cfg.policy.model_name)  # cached: the directory build_trainer loaded
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.load_state_dict({k: v for b in trainer.policy.export_weights(64.0) for k, v in b.items()})
+    model = load_hf(path, export_state(trainer.policy))
     problems = BUILTIN_DATASETS[trainer.cfg.data.train.dataset_name]()
     return expected_reward(model.eval(), AutoTokenizer.from_pretrained(path), problems)
 
