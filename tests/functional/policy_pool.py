@@ -10,6 +10,7 @@ first), and a policy whose test raised is shut down rather than handed out again
 
 import contextlib
 import os
+import tempfile
 from typing import Iterator
 
 from nemo_grpo.policy import Policy
@@ -35,7 +36,8 @@ class PolicyPool:
         else:
             self._make_room(cluster.gpus_per_node * cluster.num_nodes)
             policy = Policy(cfg, cluster, path, scalar_head=scalar_head, init_reference=init_reference, seed=seed)
-            self.initial[key] = os.path.join(self.root, f"initial_{len(self.initial)}")
+            # a directory of its own: a key started anew after its test raised must not reuse another's
+            self.initial[key] = tempfile.mkdtemp(dir=self.root, prefix="initial_")
             policy.save_checkpoint(self.initial[key])
         self.in_use += policy.world_size
         try:
