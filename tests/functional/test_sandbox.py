@@ -126,13 +126,20 @@ def test_child_outliving_the_timeout_is_killed(isolated):
 
 def test_signalling_the_parent_or_the_trainer_fails(isolated):
     """The trainer's processes are not even visible (own PID namespace; the parent reads as pid 0); a kill of
-    every process it may signal (-1) reaches only the run's own."""
-    trainer = (os.getpid(), os.getppid())
-    r = isolated.run(f"import os, signal\nprint('parent', os.getppid())\nfor pid in {trainer}:\n"
-                     "    try:\n        os.kill(pid, signal.SIGKILL)\n        print('killed', pid)\n"
-                     "    except OSError as e:\n        print('denied', pid, type(e).__name__)\n"
-                     "os.kill(-1, signal.SIGKILL)")
-    assert "parent 0" in r.stdout and "killed" not in r.stdout, r.stdout
+    every process it may signal (-1) reaches only the run's own. The targets are this process and a sibling it
+    started, not this process's parent: that is pid 1 where the test runner was orphaned, and pid 1 inside the
+    namespace is the run's own init, which it may signal."""
+    sibling = subprocess.Popen(["sleep", "60"])
+    try:
+        r = isolated.run(f"import os, signal\nprint('parent', os.getppid())\nfor pid in {(os.getpid(), sibling.pid)}:\n"
+                         "    try:\n        os.kill(pid, signal.SIGKILL)\n        print('killed', pid)\n"
+                         "    except OSError as e:\n        print('denied', pid, type(e).__name__)\n"
+                         "os.kill(-1, signal.SIGKILL)")
+        assert "parent 0" in r.stdout and "killed" not in r.stdout, r.stdout
+        assert sibling.poll() is None  # the sibling outlived the run's kill(-1)
+    finally:
+        sibling.kill()
+        sibling.wait()
     assert_contained_and_serving(isolated)  # and this process is still here to check
 
 
