@@ -281,6 +281,9 @@ class CodeEnvConfig:
     cpu_s: int = 5
     memory_mb: int = 512
     max_output_bytes: int = 65536
+    # identical programs of one step (same code, cases and answer, or same code in a multi-turn run) run once
+    # and share the result; false runs every copy (a program that reads time or randomness gets its own draw)
+    run_identical_once: bool = True
 
 
 @dataclass

@@ -14,7 +14,10 @@ Single turn (`terminate_on_evaluation: true`): extract, run the cases, reward = 
 `reward_mode: all_or_nothing`), terminated. Multi-turn (`false`): a reply with a code block is executed
 (no stdin) and its output returned as the next observation; a reply without one is the final answer, and the
 last executed program is scored against the cases (or, with "answer", the reply's last line is compared).
-Metrics: code/{pass_rate, accuracy, timeouts, errors, syntax_errors, num_samples}.
+Identical programs of one step run once (`run_identical_once`, default true): the result of a program is a
+function of its code and cases unless it reads time or randomness, and a policy that has learned a task writes
+the same program many times per step.
+Metrics: code/{pass_rate, accuracy, timeouts, errors, syntax_errors, num_samples} (per sample, copies counted).
 """
 
 from __future__ import annotations
@@ -114,18 +117,23 @@ class CodeEnvironment(EnvironmentInterface):
         blocks = [extract_code(r, require_fence=multi) for r in replies]
         observations = [{"role": "environment", "content": ""} for _ in range(n)]
         rewards, terminated = torch.zeros(n), torch.ones(n, dtype=torch.bool)
-        calls = {}
+        calls, refs = {}, {}  # sample -> (kind, key); key -> the one execution of identical programs
         for i, (code, info) in enumerate(zip(blocks, infos)):
-            worker = self.workers[i % len(self.workers)]
             if multi and code is not None:  # an intermediate turn: run it, show the output
                 info["last_code"] = code
-                calls[i] = ("run", worker.run.remote(code))
+                call = ("run", code)
             else:
                 final = info.get("last_code") if multi else code
                 answer = info.get("answer", info.get("ground_truth"))
-                calls[i] = ("eval", worker.evaluate.remote(final, info.get("tests") or [], answer))
-        for i, (kind, ref) in calls.items():
-            result = ray.get(ref)
+                call = ("eval", final, info.get("tests") or [], answer)
+            key = repr(call) if self.cfg.run_identical_once else i
+            if key not in refs:
+                worker = self.workers[len(refs) % len(self.workers)]
+                refs[key] = worker.run.remote(*call[1:]) if call[0] == "run" else worker.evaluate.remote(*call[1:])
+            calls[i] = (call[0], key)
+        results = dict(zip(refs, ray.get(list(refs.values()))))
+        for i, (kind, key) in calls.items():
+            result = results[key]
             if kind == "run":
                 text = (result["stdout"] + result["stderr"])[-OUTPUT_CHARS:]
                 observations[i] = {"role": "environment", "content": f"output:\n{text}"}

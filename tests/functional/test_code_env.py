@@ -96,3 +96,24 @@ def test_multi_turn_runs_code_then_scores_the_last_program(ray_cluster):
         assert final.terminateds[0] and final.rewards.tolist() == [1.0]
     finally:
         ray.get(actor.shutdown.remote())
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_identical_programs_of_a_step_share_one_execution(ray_cluster, once):
+    """run_identical_once (the default): the copies of a program in one step get one execution, so one clock
+    reading; false: every copy runs and reads the clock itself."""
+    cfg = CodeEnvConfig(num_workers=2, terminate_on_evaluation=False, timeout_s=2.0, run_identical_once=once)
+    actor = create_env("code", cfg)
+    try:
+        clock = reply("```python\nimport time\nprint(time.time_ns())\n```")
+        ret = ray.get(actor.step.remote([clock] * 4 + [reply("```python\nprint(1)\n```")], [ADD] * 5))
+        outputs = [o["content"] for o in ret.observations]
+        assert len(set(outputs[:4])) == (1 if once else 4) and outputs[4] == "output:\n1\n", outputs
+    finally:
+        ray.get(actor.shutdown.remote())
+
+
+def test_copies_of_a_program_are_scored_and_counted_each(env):
+    ret, metrics = step(env, ["def f(:"] * 3 + [RIGHT, "print(3)", RIGHT], [ADD] * 6)
+    assert ret.rewards.tolist() == pytest.approx([0.0, 0.0, 0.0, 1.0, 1 / 3, 1.0])
+    assert metrics["code/syntax_errors"] == 3 and metrics["code/num_samples"] == 6

@@ -112,17 +112,27 @@ def test_grpo_against_a_reward_model_trained_here(ray_cluster, tmp_path):
     assert all(r["reward_model_env/num_samples"] == 128 for r in trainer.history)
 
 
+# The code recipe over CODE_STEPS steps, validation (greedy, 60 problems) at 0, 20 and 40. Measured with seeds 42
+# (the recipe's), 1, 2, 3 (grpo.seed): validation accuracy 0.08 -> 0.90 at step 40 in all four (0.40, 0.90, 1.00,
+# 0.83 at step 20); sampled reward, mean of steps 31-40 minus steps 1-10: +0.25, +0.43, +0.34, +0.32. Greedy
+# validation does not move without learning, so +0.5 is a wide margin; the reward's +0.15 keeps the sampled
+# side honest. (The policy's exact probability of the reference programs is no measure here: it may learn other
+# programs that print the right value, "print(12)" for "code:3 times 4=". At seed 42 that probability fell
+# from 0.022 to 0.010 in 10 steps, where seeds 1, 2, 3 took it to 0.25, 0.28, 0.24.)
+CODE_STEPS = 40
+
+
 @pytest.mark.slow
 def test_code_recipe_learns(ray_cluster, tmp_path):
-    """GRPO with the code environment (the recipe's 100 steps): programs run in the sandbox; reward and greedy
-    accuracy rise. (The policy's exact probability of the reference programs is no measure here: it may learn
-    other programs that print the right value, "print(12)" for "code:3 times 4=". At seed 42 that probability fell
-    from 0.022 to 0.010 in 10 steps, where seeds 1, 2, 3 took it to 0.25, 0.28, 0.24.)"""
-    trainer, _ = train_in_process(tmp_path, "logger.plot=false", config="configs/grpo_code_tiny_cpu.yaml")
-    first, last = first_and_last_10([r["reward"] for r in trainer.history])
-    assert last - first >= 0.3, (first, last)
+    """GRPO with the code environment: programs run in the sandbox; greedy accuracy and reward rise."""
+    trainer, _ = train_in_process(tmp_path, "logger.plot=false", f"grpo.max_num_steps={CODE_STEPS}",
+                                  "grpo.val_period=20", config="configs/grpo_code_tiny_cpu.yaml")
+    rewards = [r["reward"] for r in trainer.history]
+    first, last = first_and_last_10(rewards)
     val = read_metrics(f"{tmp_path}/logs", "val")
-    assert val[-1]["accuracy"] > val[0]["accuracy"] + 0.3, val
+    assert [v["step"] for v in val] == [0, 20, 40]
+    assert val[-1]["accuracy"] >= val[0]["accuracy"] + 0.5, val
+    assert last - first >= 0.15, (first, last)
     assert all(r["code/num_samples"] == 64 for r in trainer.history)
 
 
