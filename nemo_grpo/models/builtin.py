@@ -2,9 +2,11 @@
 
 `builtin:tiny-addition` is a 335k-parameter Qwen2 with a character tokenizer, supervised-warm-started on
 single-digit additions until its expected reward at temperature 1 reaches `WARM_TARGET` (it then answers
-about a quarter of the problems; GRPO has room to improve it). The loss and reward recipe follows
-../shared/notes/learning-demo.md. `builtin:tiny-code` is the same model warm-started the same way on the
-arithmetic_code tasks ("code:3 times 4=" -> "print(3*4)"). After it is built, it is loaded like any user model.
+about a quarter of the problems; GRPO has room to improve it). The warm start is plain supervised training
+(AdamW 3e-3, batch 32) stopped as soon as the exact expected reward (the mean over the problems of
+P(answer + EOS | prompt)) reaches the target: 60-180 steps, seconds on a CPU. `builtin:tiny-code` is the
+same model warm-started the same way on the arithmetic_code tasks ("code:3 times 4=" -> "print(3*4)"). After
+it is built, it is loaded like any user model.
 """
 
 from __future__ import annotations

