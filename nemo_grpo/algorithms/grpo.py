@@ -268,12 +268,17 @@ class GRPOTrainer:
 
     def _env_metrics(self, batch: dict) -> dict[str, float]:
         """Each task's environment reports metrics on the rows of its own task only (env_metric_views)."""
+        views = env_metric_views(batch, self.cfg.grpo.num_generations_per_prompt)
+        results = self._gather([self.task_to_env[task].global_post_process_and_metrics.remote(view)
+                                for task, view in views.items()])
+        return {k: v for _, m in results for k, v in m.items()}
+
+    @staticmethod
+    def _gather(refs: list) -> list:
+        """The values of the environments' Ray object refs (the unit tests, without Ray, put identity here)."""
         import ray
 
-        views = env_metric_views(batch, self.cfg.grpo.num_generations_per_prompt)
-        results = ray.get([self.task_to_env[task].global_post_process_and_metrics.remote(view)
-                           for task, view in views.items()])
-        return {k: v for _, m in results for k, v in m.items()}
+        return ray.get(refs)
 
     def refit(self) -> dict[str, float]:
         """Policy weights -> generation engine, in place, bucket by bucket (through host shared memory when

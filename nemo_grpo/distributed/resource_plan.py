@@ -189,19 +189,26 @@ def ordered_node_ids(device: str = "GPU") -> list[str]:
     """Alive Ray nodes with `device` resources, in planned-node order (see the module docstring): node ids."""
     import ray
 
-    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get(device, 0) > 0]
-    return [n["NodeID"] for n in sorted(nodes, key=_node_sort_key)]
+    return order_nodes(ray.nodes(), device)
+
+
+def order_nodes(nodes: list[dict], device: str = "GPU") -> list[str]:
+    """Of Ray's node records (`ray.nodes()`), the alive ones with `device` resources in planned-node order:
+    node ids."""
+    alive = [n for n in nodes if n.get("Alive") and n["Resources"].get(device, 0) > 0]
+    return [n["NodeID"] for n in sorted(alive, key=_node_sort_key)]
 
 
 def _check_capacity(plan: ResourcePlan, device: str) -> list[str]:
     """Node ids of the planned nodes; RuntimeError with the arithmetic where Ray has too few nodes or devices."""
     import ray
 
-    node_ids = ordered_node_ids(device)
+    nodes = ray.nodes()
+    node_ids = order_nodes(nodes, device)
     if len(node_ids) < plan.num_nodes:
         raise RuntimeError(f"the resource plan needs {plan.num_nodes} nodes (cluster.num_nodes) but Ray has "
                            f"{len(node_ids)} alive nodes with {device} resources\n{plan.describe()}")
-    capacity = {n["NodeID"]: n["Resources"].get(device, 0) for n in ray.nodes() if n.get("Alive")}
+    capacity = {n["NodeID"]: n["Resources"].get(device, 0) for n in nodes if n.get("Alive")}
     for node in range(plan.num_nodes):
         demand = plan.gpus_on_node(node)
         have = capacity[node_ids[node]]

@@ -36,7 +36,7 @@ def mixed_batch():
 
 
 class FakeEnv:
-    """Records the view each metrics call receives; `.remote` runs inline (ray.get is patched to identity)."""
+    """Records the view each metrics call receives; `.remote` runs inline (the trainer's _gather is identity)."""
 
     def __init__(self, name):
         self.name, self.views = name, []
@@ -56,6 +56,7 @@ def bare_trainer(**cfg_changes) -> GRPOTrainer:
     trainer.cfg, trainer.state, trainer.timer = cfg, GRPOState(), Timer()
     trainer.history, trainer.val_history = [], []
     trainer.resumed_at = trainer.last_checkpoint = trainer.plot_path = trainer.collector = None
+    trainer._gather = lambda results: results  # FakeEnv's .remote returns the result itself
     return trainer
 
 
@@ -73,10 +74,7 @@ def test_each_environment_gets_only_the_rows_of_its_task():
     assert all(v["num_generations_per_prompt"] == G for v in views.values())
 
 
-def test_trainer_env_metrics_do_not_mix_tasks(monkeypatch):
-    import ray
-
-    monkeypatch.setattr(ray, "get", lambda refs: refs)
+def test_trainer_env_metrics_do_not_mix_tasks():
     trainer = bare_trainer(grpo={"num_generations_per_prompt": G})
     math, code = FakeEnv("math"), FakeEnv("code")
     trainer.task_to_env = {"math": math, "code": code}
@@ -85,10 +83,7 @@ def test_trainer_env_metrics_do_not_mix_tasks(monkeypatch):
     assert metrics == {"math/num_samples": 4.0, "math/accuracy": 0.5, "code/num_samples": 2.0, "code/accuracy": 0.5}
 
 
-def test_an_environment_without_rows_this_step_is_not_asked(monkeypatch):
-    import ray
-
-    monkeypatch.setattr(ray, "get", lambda refs: refs)
+def test_an_environment_without_rows_this_step_is_not_asked():
     trainer = bare_trainer(grpo={"num_generations_per_prompt": G})
     math, code = FakeEnv("math"), FakeEnv("code")  # validation on code, training on math: code gets no call
     trainer.task_to_env = {"math": math, "code": code}

@@ -137,16 +137,13 @@ def _ray_node(node_id, *resources, alive=True, gpus=8):
             "Resources": {"CPU": 9.0, "GPU": float(gpus), **dict.fromkeys(resources, 1.0)}}
 
 
-def test_node_order_is_node_index_then_head_then_node_id(monkeypatch):
-    import ray
-
-    from nemo_grpo.distributed.resource_plan import ordered_node_ids
+def test_node_order_is_node_index_then_head_then_node_id():
+    from nemo_grpo.distributed.resource_plan import order_nodes
 
     nodes = [_ray_node("cc"), _ray_node("aa"), _ray_node("ff", "node:__internal_head__"), _ray_node("bb", alive=False),
              _ray_node("00", gpus=0)]
-    monkeypatch.setattr(ray, "nodes", lambda: nodes)
-    assert ordered_node_ids() == ["ff", "aa", "cc"]  # head first; no dead node, no node without GPUs
-    assert ordered_node_ids("CPU") == ["ff", "00", "aa", "cc"]
+    assert order_nodes(nodes) == ["ff", "aa", "cc"]  # head first; no dead node, no node without GPUs
+    assert order_nodes(nodes, "CPU") == ["ff", "00", "aa", "cc"]
     nodes[0]["Resources"]["node_index:0"] = 1.0
     nodes[1]["Resources"]["node_index:1"] = 1.0
-    assert ordered_node_ids() == ["cc", "aa", "ff"]  # node_index:<k> before the nodes without one
+    assert order_nodes(nodes) == ["cc", "aa", "ff"]  # node_index:<k> before the nodes without one
