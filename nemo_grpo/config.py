@@ -183,10 +183,13 @@ class LossConfig:
     ratio_clip_min: float = 0.2  # epsilon_low: ratio clipped to [1 - ratio_clip_min, 1 + ratio_clip_max]
     ratio_clip_max: float = 0.2  # epsilon_high (DAPO clip-higher when > ratio_clip_min)
     ratio_clip_c: Optional[float] = None  # dual clip (Ye et al. 2019), must be > 1
-    disable_ppo_ratio: bool = False  # REINFORCE: -A x logp, no ratio, no clip (RLOO with the leave-one-out baseline)
-    force_on_policy_ratio: bool = False  # ratio = 1 (value) with the gradient of logp: one update per rollout
-    sequence_level_importance_ratios: bool = False  # GSPO: one length-normalised ratio per sequence, clipped
-    use_cispo: bool = False  # CISPO: -A x stop_grad(clip(ratio)) x logp
+    # the actor objective by registered name (algorithms/objectives.py OBJECTIVES): ppo_clip | gspo | cispo |
+    # reinforce; null: the one NeMo RL's flags below name (none set: ppo_clip)
+    objective: Optional[str] = None
+    disable_ppo_ratio: bool = False  # objective reinforce: -A x logp, no ratio, no clip (RLOO with leave-one-out)
+    force_on_policy_ratio: bool = False  # ppo_clip with ratio 1 (value), the gradient of logp: one update per rollout
+    sequence_level_importance_ratios: bool = False  # objective gspo: one length-normalised ratio per sequence, clipped
+    use_cispo: bool = False  # objective cispo: -A x stop_grad(clip(ratio)) x logp
     use_on_policy_kl_approximation: bool = False  # weight the KL by pi / pi_gen (samples come from the engine)
     use_importance_sampling_correction: bool = False  # weight the actor loss by pi_old / pi_gen
     truncated_importance_sampling_type: Optional[str] = None  # tis | icepop | seq-mask-tis (null: tis if a ratio is set)

@@ -11,6 +11,7 @@ from test_losses import PLAIN, _close, _random_batch, _run, _split_loss, _two_sa
 
 from nemo_grpo.algorithms.kl import sequence_kl
 from nemo_grpo.algorithms.losses import ClippedPGLoss, make_loss
+from nemo_grpo.algorithms.objectives import OBJECTIVE_FLAGS, OBJECTIVES, ActorTerm, register_objective
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.validation import load_config
 
@@ -79,6 +80,40 @@ def test_force_on_policy_ratio_is_one_with_the_gradient_of_logp():
     assert loss == pytest.approx(0.0)  # (-1 + 1) / 2 with ratio 1
     _close(grad, [[0.0, -0.5, 0.5]])  # neither clipped nor scaled by the stale ratio
     assert m["probs_ratio"] == 1.0 and m["clip_fraction"] == 0.0
+
+
+# ----------------------------------------------------------------------------------------------- by name
+@pytest.mark.parametrize("name,flags", [
+    ("gspo", dict(sequence_level_importance_ratios=True, token_level_loss=False, use_importance_sampling_correction=True)),
+    ("cispo", dict(use_cispo=True)),
+    ("reinforce", dict(disable_ppo_ratio=True)),
+])
+def test_objective_by_name_is_the_nemo_rl_flag(name, flags):
+    """loss_fn.objective=<name> and NeMo RL's flag are one objective: the same loss, gradient and metrics."""
+    logprobs, mb = _random_batch(seed=3)
+    logprobs.requires_grad_(True)
+    by_flag = _run(_with(**flags), logprobs, mb)
+    options = {k: v for k, v in flags.items() if k not in OBJECTIVE_FLAGS}
+    by_name = _run(_with(objective=name, **options), logprobs, mb)
+    assert by_name[0] == pytest.approx(by_flag[0], abs=1e-12) and by_name[2] == pytest.approx(by_flag[2])
+    torch.testing.assert_close(by_name[1], by_flag[1], atol=1e-12, rtol=0)
+    assert by_flag[1].abs().sum() > 0
+
+
+def test_a_registered_objective_is_reachable_by_name():
+    """A new objective is one registered function: loss_fn.objective names it, the loss composes it with the
+    aggregation and the importance-sampling correction like any other."""
+    @register_objective("test_half_reinforce")
+    def half_reinforce(curr, prev, adv, token_mask, c):
+        ones = torch.ones_like(curr)
+        return ActorTerm(-0.5 * adv * curr, ones, ones, torch.zeros_like(curr, dtype=torch.bool))
+
+    try:
+        logprobs, mb = _batch([[1.5, 0.5]], [[2.0, -1.0]])
+        _, grad, _ = _run(_with(objective="test_half_reinforce"), logprobs, mb)
+        _close(grad, [[0.0, -0.5, 0.25]])  # half of REINFORCE's -A / n
+    finally:
+        del OBJECTIVES["test_half_reinforce"]
 
 
 # ----------------------------------------------------------------------------------------------- truncated IS
@@ -191,6 +226,9 @@ def test_variants_are_invariant_to_micro_batches_and_data_parallel(name):
      "token_level_loss=false"),
     (["loss_fn.disable_ppo_ratio=true", "loss_fn.force_on_policy_ratio=true"], "loss_fn.force_on_policy_ratio",
      "disable_ppo_ratio"),
+    (["loss_fn.objective=gspo", "loss_fn.use_cispo=true"], "loss_fn.use_cispo", "loss_fn.objective names 'gspo'"),
+    (["loss_fn.objective=dpo"], "loss_fn.objective", "cispo, gspo, ppo_clip, reinforce"),
+    (["loss_fn.objective=cispo", "loss_fn.token_level_loss=false"], "loss_fn.objective", "token_level_loss=true"),
     (["loss_fn.truncated_importance_sampling_type=icepop", "loss_fn.truncated_importance_sampling_ratio=2"],
      "loss_fn.truncated_importance_sampling_type", "use_importance_sampling_correction=true"),
     (["loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_type=icepop",
