@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from nemo_grpo.config import MasterConfig, to_dict
 from nemo_grpo.validation import validate_model_layout
@@ -64,29 +65,61 @@ def build_environments(cfg: MasterConfig, plan=None, groups: dict | None = None)
     return envs
 
 
-def build_trainer(cfg: MasterConfig, *, log_to_driver: bool = True):
+def start_actors(cfg: MasterConfig, model_path: str):
+    """The run's actors (algorithms/grpo.py RunActors) on the resource plan's placement groups: the environments,
+    then the policy with the generation engine starting beside it (each takes seconds: imports, the model
+    build, vLLM's start-up), ready when this returns."""
+    import ray
+
+    from nemo_grpo.algorithms.grpo import RunActors
+    from nemo_grpo.distributed.resource_plan import plan_resources, reserve
+    from nemo_grpo.generation import make_generation_engine
+    from nemo_grpo.policy import Policy
+
+    plan = plan_resources(cfg)
+    log.info("resource plan:\n%s", plan.describe())
+    groups = reserve(plan)
+    envs = build_environments(cfg, plan, groups)
+    a = cfg.grpo.async_grpo
+    started = RunActors(None, None, envs, groups)
+    try:
+        with ThreadPoolExecutor(1) as pool:  # the engine's constructor waits for its workers: start it meanwhile
+            engine = pool.submit(make_generation_engine, cfg.policy.generation, model_path, cfg.cluster,
+                                 in_flight_updates=a.enabled and a.in_flight_weight_updates)
+            try:
+                started.policy = Policy(
+                    cfg.policy, plan.placements["policy"].as_cluster(cfg.cluster.num_threads_per_worker), model_path,
+                    init_reference=cfg.loss_fn.reference_policy_kl_penalty > 0, seed=cfg.grpo.seed,
+                    placement_group=groups["policy"])
+            finally:
+                started.engine = engine.result()
+        ray.get([e.__ray_ready__.remote() for e in envs.values()])
+    except BaseException:
+        try:
+            started.close()  # what did start
+        except Exception:  # noqa: BLE001 -- the start's own error is the one to report
+            log.debug("closing a failed start failed", exc_info=True)
+        raise
+    return started
+
+
+def build_trainer(cfg: MasterConfig, *, log_to_driver: bool = True, start=start_actors):
     """The GRPOTrainer of a validated config. What the user's input can break is checked first, cheapest first
     (output directories, the checkpoint to resume, data files, then the model and its tokenizer), so a
     UserInputError comes before Ray or any actor starts. log_to_driver=False leaves the Ray workers' output
-    in Ray's session logs."""
+    in Ray's session logs. start(cfg, model_path) -> RunActors gives the run its actors (`start_actors`; a
+    caller running several runs in one process may hand back actors it kept, reset to their start)."""
+    from nemo_grpo.algorithms.grpo import GRPOTrainer
+    from nemo_grpo.distributed.cluster import init_ray
+    from nemo_grpo.models.builtin import resolve_model_path
+    from nemo_grpo.models.files import check_model_dir
     from nemo_grpo.utils.checkpoint import CheckpointManager
+    from nemo_grpo.utils.logger import Logger
 
     checkpointer = CheckpointManager(cfg.checkpointing)  # creates checkpoint_dir, checks that it is writable
     if cfg.checkpointing.enabled and cfg.checkpointing.resume:
         checkpointer.get_latest_checkpoint_path()  # file sizes only: a damaged newest warns, all damaged raises
     problems = load_datasets(cfg)
-
-    import ray
-
-    from nemo_grpo.algorithms.grpo import GRPOTrainer
-    from nemo_grpo.distributed.cluster import init_ray
-    from nemo_grpo.distributed.resource_plan import plan_resources, reserve
-    from nemo_grpo.generation import make_generation_engine
-    from nemo_grpo.models.builtin import resolve_model_path
-    from nemo_grpo.models.files import check_model_dir
-    from nemo_grpo.policy import Policy
-    from nemo_grpo.utils.logger import Logger
-
     model_path = resolve_model_path(cfg.policy.model_name, seed=0)
     if model_path != cfg.policy.model_name:  # a builtin: model's cached build (a local one was checked already)
         check_model_dir(model_path, "policy.model_name")
@@ -95,16 +128,5 @@ def build_trainer(cfg: MasterConfig, *, log_to_driver: bool = True):
     loader, val = build_datasets(cfg, tokenizer, problems)
     logger = Logger(cfg.logger, to_dict(cfg))
     init_ray(log_to_driver=log_to_driver)
-    plan = plan_resources(cfg)
-    log.info("resource plan:\n%s", plan.describe())
-    groups = reserve(plan)
-    envs = build_environments(cfg, plan, groups)
-    policy = Policy(cfg.policy, plan.placements["policy"].as_cluster(cfg.cluster.num_threads_per_worker),
-                    model_path, init_reference=cfg.loss_fn.reference_policy_kl_penalty > 0, seed=cfg.grpo.seed,
-                    placement_group=groups["policy"])
-    a = cfg.grpo.async_grpo
-    engine = make_generation_engine(cfg.policy.generation, model_path, cfg.cluster,
-                                    in_flight_updates=a.enabled and a.in_flight_weight_updates)
-    ray.get([e.__ray_ready__.remote() for e in envs.values()])
-    return GRPOTrainer(cfg, tokenizer=tokenizer, policy=policy, engine=engine, task_to_env=envs, loader=loader,
-                       val_datums=val, logger=logger, checkpointer=checkpointer, placement_groups=groups)
+    return GRPOTrainer(cfg, tokenizer=tokenizer, actors=start(cfg, model_path), loader=loader, val_datums=val,
+                       logger=logger, checkpointer=checkpointer)

@@ -71,6 +71,29 @@ def _short(path: str) -> str:
 
 
 @dataclass
+class RunActors:
+    """A GRPO run's Ray actors: the policy, the generation engine, the environments by task name, and the
+    placement groups they run in (the resource plan's). The trainer closes them when it closes."""
+    policy: Any
+    engine: Any
+    envs: dict[str, Any]
+    placement_groups: dict = field(default_factory=dict)
+
+    def close(self) -> None:
+        """Shut down the environments, the engine and the policy; free the placement groups."""
+        import ray
+
+        from nemo_grpo.distributed.resource_plan import release
+
+        for env in {id(e): e for e in self.envs.values()}.values():
+            ray.get(env.shutdown.remote())
+        for actor in (self.engine, self.policy):
+            if actor is not None:  # None: a start that failed before it
+                actor.shutdown()
+        release(self.placement_groups)
+
+
+@dataclass
 class GRPOState:
     step: int = 0  # optimizer rounds completed
     consumed_prompts: int = 0
@@ -79,14 +102,13 @@ class GRPOState:
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: MasterConfig, *, tokenizer, policy, engine, task_to_env, loader, val_datums,
-                 logger, checkpointer, placement_groups: dict | None = None):
-        self.cfg, self.tokenizer, self.policy, self.engine = cfg, tokenizer, policy, engine
-        self.task_to_env, self.loader, self.val_datums = task_to_env, loader, val_datums
+    def __init__(self, cfg: MasterConfig, *, tokenizer, actors: RunActors, loader, val_datums, logger, checkpointer):
+        self.cfg, self.tokenizer, self.actors = cfg, tokenizer, actors
+        self.policy, self.engine, self.task_to_env = actors.policy, actors.engine, actors.envs
+        self.loader, self.val_datums = loader, val_datums
         self.logger, self.checkpointer = logger, checkpointer
-        self.placement_groups = placement_groups or {}  # the resource plan's, released at close
         self.loss_fn = make_loss(cfg.loss_fn.name, cfg.loss_fn, cfg.policy.max_total_sequence_length)
-        self.refitter = make_refitter(policy, engine, cfg.policy.generation)
+        self.refitter = make_refitter(self.policy, self.engine, cfg.policy.generation)
         self.state = GRPOState()
         self.timer = Timer()
         self.collector: Optional[RolloutCollector] = None  # async GRPO's, while run() runs
@@ -419,16 +441,15 @@ class GRPOTrainer:
         return " | ".join(parts)
 
     def close(self) -> None:
-        import ray
+        """Close the logs (and draw the plot), the refit's transfer, then the run's actors (RunActors.close)."""
+        from ray.exceptions import RayActorError
 
         self.logger.close()
         if self.cfg.logger.plot:
             self.plot_path = self.logger.save_plot()
-        for env in {id(e): e for e in self.task_to_env.values()}.values():
-            ray.get(env.shutdown.remote())
-        self.engine.shutdown()
-        self.policy.shutdown()
-        from nemo_grpo.distributed.resource_plan import release
-
-        release(self.placement_groups)
-
+        try:
+            self.refitter.close()  # its shared region or transfer group, on the policy and the engine
+        except RayActorError:  # an engine that died (GenerationFailed): shutting it down follows
+            log.debug("the refit transfer could not be closed on a dead actor", exc_info=True)
+        finally:
+            self.actors.close()

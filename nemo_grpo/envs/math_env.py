@@ -203,13 +203,16 @@ class MathEnvironment(EnvironmentInterface):
         return results
 
     def step(self, message_logs: list[MessageLog], env_infos: list[dict[str, Any]]) -> EnvironmentReturn:
-        """Score the last message of each of the B conversations against env_info["ground_truth"]."""
+        """Score the last message of each of the B conversations against env_info["ground_truth"]. Identical
+        (reply tail, reference) pairs, common within a group of G samples, are verified once."""
         if not self._workers:
             raise RuntimeError("MathEnvironment.step called after shutdown()")
         pairs = [(answer_tail(log[-1].get("content") if log else None, self.cfg.max_answer_chars),
                   _as_text((info or {}).get("ground_truth")))
                  for log, info in zip(message_logs, env_infos, strict=True)]
-        results = self._score_all(pairs) if pairs else []
+        unique = list(dict.fromkeys(pairs))  # scoring is a function of (tail, gold): each distinct pair once
+        scored = dict(zip(unique, self._score_all(unique))) if unique else {}
+        results = [scored[p] for p in pairs]
         rewards = torch.tensor([r for r, _ in results], dtype=torch.float32)  # [B]
         return EnvironmentReturn(
             observations=[{"role": "environment", "content": CORRECT if r == 1.0 else INCORRECT}

@@ -12,3 +12,14 @@ def policy_pool(ray_cluster, tmp_path_factory):
     pool = PolicyPool(str(tmp_path_factory.mktemp("policy_pool")))
     yield pool
     pool.clear()
+
+
+@pytest.fixture(scope="module")
+def run_actors_pool(ray_cluster, tmp_path_factory):
+    """The module's RunActorsPool (policy_pool.py) for train_runs.train_in_process: a run gets the previous run's
+    actors, reset, when they would be built alike; shut down when the module ends."""
+    from policy_pool import RunActorsPool
+
+    pool = RunActorsPool(str(tmp_path_factory.mktemp("run_actors")))
+    yield pool
+    pool.clear()

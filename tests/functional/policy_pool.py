@@ -1,4 +1,5 @@
-"""A module's pool of started policies (the `policy_pool` fixture, tests/functional/conftest.py).
+"""A module's pools of started actors: policies (the `policy_pool` fixture) and the actors of whole GRPO runs
+(the `run_actors_pool` fixture, for train_runs.train_in_process); tests/functional/conftest.py.
 
 Starting a policy (Ray actors, torch.distributed over gloo, the model build) costs seconds; resetting one costs a
 checkpoint load. A test asks the pool for (config, cluster, model, options) and gets a policy in the state it
@@ -11,9 +12,13 @@ first), and a policy whose test raised is shut down rather than handed out again
 import contextlib
 import os
 import tempfile
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
 
+from nemo_grpo.algorithms.grpo import RunActors
+from nemo_grpo.build import start_actors
 from nemo_grpo.policy import Policy
+from nemo_grpo.weights.refit import make_refitter
 
 MAX_WORKERS = 6  # pooled workers, in use or idle: the session's Ray cluster has 8 CPU slots, 2 left for a test's own
 
@@ -57,3 +62,64 @@ class PolicyPool:
         for policy in self.idle.values():
             policy.shutdown()
         self.idle.clear()
+
+
+def run_actors_key(cfg, model_path: str) -> str:
+    """What decides how a GRPO run's actors are built (build.start_actors): two runs with the same key could
+    share them (their trainer-level settings, the loss, the data and the steps may differ)."""
+    envs = sorted({ds.env_name for ds in (cfg.data.train, cfg.data.validation) if ds is not None})
+    a = cfg.grpo.async_grpo
+    return repr((cfg.policy, cfg.cluster, cfg.env, envs, cfg.grpo.seed, cfg.loss_fn.reference_policy_kl_penalty > 0,
+                 a.enabled and a.in_flight_weight_updates, os.path.abspath(model_path)))
+
+
+@dataclass
+class PooledRunActors(RunActors):
+    """A run's actors lent by the pool: closing the run hands them back (keep=False: shut down, as after a
+    failed run)."""
+    give_back: Optional[Callable[["PooledRunActors"], None]] = None
+    keep: bool = True
+
+    def close(self) -> None:
+        if self.keep:
+            self.give_back(self)
+        else:
+            super().close()
+
+
+class RunActorsPool:
+    """The last in-process run's actors (policy, engine, environments), kept for the next run of the module with
+    the same `run_actors_key`, reset to their start: the policy loads the checkpoint taken right after its start
+    (weights, a fresh optimizer, schedule, RNG), the engine is refit from it. One set is kept: a run with another
+    key shuts it down first (the cluster's CPU slots are few). `start` is build_trainer's `start`."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.idle: Optional[tuple[str, RunActors, str]] = None  # (key, actors, checkpoint of the start state)
+
+    def start(self, cfg, model_path: str) -> PooledRunActors:
+        key = run_actors_key(cfg, model_path)
+        if self.idle is not None and self.idle[0] == key:
+            _, actors, initial = self.idle
+            self.idle = None
+            actors.policy.load_checkpoint(initial)
+            refitter = make_refitter(actors.policy, actors.engine, cfg.policy.generation)
+            actors.engine.prepare_for_refit()
+            refitter.refit()  # the engine samples from the start weights again
+            refitter.close()
+        else:
+            self.clear()
+            actors = start_actors(cfg, model_path)
+            initial = tempfile.mkdtemp(dir=self.root, prefix="run_actors_")
+            actors.policy.save_checkpoint(initial)
+
+        def give_back(pooled: PooledRunActors) -> None:
+            self.clear()
+            self.idle = (key, RunActors(pooled.policy, pooled.engine, pooled.envs, pooled.placement_groups), initial)
+
+        return PooledRunActors(actors.policy, actors.engine, actors.envs, actors.placement_groups, give_back)
+
+    def clear(self) -> None:
+        if self.idle is not None:
+            self.idle[1].close()
+            self.idle = None

@@ -25,11 +25,11 @@ ASYNC = ["grpo.async_grpo.enabled=true"]
 
 
 @pytest.mark.slow
-def test_zero_age_is_synchronous_grpo(ray_cluster, tmp_path):
+def test_zero_age_is_synchronous_grpo(ray_cluster, run_actors_pool, tmp_path):
     sync, zero = tmp_path / "sync", tmp_path / "zero"
-    train_in_process(sync, "grpo.max_num_steps=3", "checkpointing.enabled=false", *COMMON)
+    train_in_process(sync, "grpo.max_num_steps=3", "checkpointing.enabled=false", *COMMON, pool=run_actors_pool)
     train_in_process(zero, "grpo.max_num_steps=3", "checkpointing.enabled=false", *COMMON, *ASYNC,
-                     "grpo.async_grpo.max_trajectory_age_steps=0")
+                     "grpo.async_grpo.max_trajectory_age_steps=0", pool=run_actors_pool)
     a, b = read_metrics(f"{sync}/logs", "train"), read_metrics(f"{zero}/logs", "train")
     assert [r["step"] for r in b] == [1, 2, 3]
     for key in ("reward", "loss", "grad_norm", "token_mult_prob_error", "mean_response_length"):
@@ -40,12 +40,12 @@ def test_zero_age_is_synchronous_grpo(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
-def test_ages_stay_within_the_bound_and_a_checkpoint_with_rollouts_in_flight_resumes(ray_cluster, tmp_path,
-                                                                                      caplog):
+def test_ages_stay_within_the_bound_and_a_checkpoint_with_rollouts_in_flight_resumes(ray_cluster, run_actors_pool,
+                                                                                      tmp_path, caplog):
     args = ["grpo.max_num_steps=4", "checkpointing.save_period=2", *COMMON, *ASYNC,
             "grpo.async_grpo.max_trajectory_age_steps=1"]
     caplog.set_level(logging.INFO, logger="nemo_grpo")
-    train_in_process(tmp_path, *args)
+    train_in_process(tmp_path, *args, pool=run_actors_pool)
     ages = read_metrics(f"{tmp_path}/logs", "async")
     assert [r["step"] for r in ages] == [1, 2, 3, 4]
     assert all(r["trajectory_age_max"] <= 1 and r["dropped_stale"] == 0 for r in ages)
@@ -54,7 +54,7 @@ def test_ages_stay_within_the_bound_and_a_checkpoint_with_rollouts_in_flight_res
     assert "checkpoint at step 2: rollouts in flight" in caplog.text
     # as if the run had died after step 3: resume from the step-2 checkpoint, whose rollouts in flight were lost
     shutil.rmtree(f"{tmp_path}/ckpt/step_4")
-    done = summary(train_in_process(tmp_path, *args)[0])
+    done = summary(train_in_process(tmp_path, *args, pool=run_actors_pool)[0])
     assert (done["steps"], done["resumed_at"]) == ("4", "2")
     resumed = read_metrics(f"{tmp_path}/logs", "async")[4:]
     assert [r["step"] for r in resumed] == [3, 4] and resumed[0]["trajectory_age_max"] == 0  # regenerated
@@ -72,13 +72,14 @@ LONG_GENERATION = ["cluster.gpus_per_node=1", "grpo.num_prompts_per_step=2", "gr
 
 
 @pytest.mark.slow
-def test_in_flight_weight_updates_run_within_the_age_bound(ray_cluster, tmp_path, tiny_model_dir):
+def test_in_flight_weight_updates_run_within_the_age_bound(ray_cluster, run_actors_pool, tmp_path, tiny_model_dir):
     """The trainer refits without waiting for the generation batch under way and the engine takes the weights
     between two forward steps (async/refits_mid_generation, cumulative, counts them); ages stay within the
     bound, counted from each batch's first weights."""
     model = tiny_model_dir("qwen2", vocab_size=256, max_position_embeddings=256)
     train_in_process(tmp_path, "grpo.max_num_steps=4", "checkpointing.enabled=false", *COMMON, *ASYNC,
-                     "grpo.async_grpo.in_flight_weight_updates=true", f"policy.model_name={model}", *LONG_GENERATION)
+                     "grpo.async_grpo.in_flight_weight_updates=true", f"policy.model_name={model}", *LONG_GENERATION,
+                     pool=run_actors_pool)
     ages = read_metrics(f"{tmp_path}/logs", "async")
     assert [r["step"] for r in ages] == [1, 2, 3, 4]
     assert all(r["trajectory_age_max"] <= 1 and r["dropped_stale"] == 0 for r in ages)
@@ -124,7 +125,7 @@ ASYNC_STEPS = 60
 
 
 @pytest.mark.slow
-def test_default_recipe_learns_async(ray_cluster, tmp_path):
+def test_default_recipe_learns_async(ray_cluster, run_actors_pool, tmp_path):
     """The default recipe one step off-policy (non-colocated engine, importance-sampling correction): the policy's
     exact expected reward (policy_expected_reward, from 0.265) rises within ASYNC_STEPS steps. Measured gains after
     30 / 60 steps, seeds 1, 2, 3: +0.008 / +0.064, +0.063 / +0.105, +0.059 / +0.103; the synchronous objectives'
@@ -134,7 +135,7 @@ def test_default_recipe_learns_async(ray_cluster, tmp_path):
         tmp_path, "policy.generation.colocated.enabled=false", "loss_fn.use_importance_sampling_correction=true",
         *ASYNC, "grpo.async_grpo.max_trajectory_age_steps=1", f"grpo.max_num_steps={ASYNC_STEPS}", "grpo.val_period=0",
         "grpo.val_at_start=false", "grpo.val_at_end=false",
-        "checkpointing.enabled=false", "logger.plot=false", measure=policy_expected_reward)
+        "checkpointing.enabled=false", "logger.plot=false", measure=policy_expected_reward, pool=run_actors_pool)
     print(f"async: expected reward {before:.4f} -> {after:.4f}")
     assert len(trainer.history) == ASYNC_STEPS and after - before >= 0.02, (before, after)
     ages = read_metrics(f"{tmp_path}/logs", "async")

@@ -49,14 +49,14 @@ def test_default_recipe_learns_as_a_user_runs_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_recipe_learns_on_megatron(ray_cluster, tmp_path):
+def test_default_recipe_learns_on_megatron(ray_cluster, run_actors_pool, tmp_path):
     """The same criterion on the Megatron back end, 400 steps, in this process."""
-    trainer, _ = train_in_process(tmp_path, "policy.backend=megatron", "logger.plot=false")
+    trainer, _ = train_in_process(tmp_path, "policy.backend=megatron", "logger.plot=false", pool=run_actors_pool)
     assert_default_recipe_learned(trainer.history, f"{tmp_path}/logs")
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly(ray_cluster, tmp_path):
+def test_resume_continues_exactly(ray_cluster, run_actors_pool, tmp_path):
     """4 steps straight vs 2 steps, a new trainer resuming from the step-2 checkpoint, 2 more. (A SIGKILLed
     driver's resume, as a user meets it: test_driver_kill.py.)"""
     common = ["grpo.val_at_start=false", "grpo.val_period=0", "grpo.val_at_end=false", "logger.plot=false",
@@ -68,9 +68,9 @@ def test_resume_continues_exactly(ray_cluster, tmp_path):
               "grpo.adv_estimator.name=reinforce_plus_plus", "grpo.reward_shaping.enabled=true",
               "grpo.reward_shaping.overlong_buffer_length=2", "grpo.reward_shaping.overlong_buffer_penalty=0.5"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train_in_process(straight, "grpo.max_num_steps=4", *common)
-    first, _ = train_in_process(split, "grpo.max_num_steps=2", *common)
-    resumed, _ = train_in_process(split, "grpo.max_num_steps=4", *common)
+    train_in_process(straight, "grpo.max_num_steps=4", *common, pool=run_actors_pool)
+    first, _ = train_in_process(split, "grpo.max_num_steps=2", *common, pool=run_actors_pool)
+    resumed, _ = train_in_process(split, "grpo.max_num_steps=4", *common, pool=run_actors_pool)
     a = read_metrics(f"{straight}/logs", "train")
     b = read_metrics(f"{split}/logs", "train")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
@@ -87,7 +87,7 @@ def test_resume_continues_exactly(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_against_a_reward_model_trained_here(ray_cluster, tmp_path):
+def test_grpo_against_a_reward_model_trained_here(ray_cluster, run_actors_pool, tmp_path):
     """train_rm on Megatron (TP=2) -> its HF export scores GRPO rollouts on the DTensor back end's reward
     model environment; the reward model's reward rises by the default recipe's criterion."""
     from nemo_grpo.algorithms.reward_model import RewardModelTrainer
@@ -106,7 +106,7 @@ def test_grpo_against_a_reward_model_trained_here(ray_cluster, tmp_path):
     assert val[-1]["accuracy"] >= 0.8, val
     trainer, _ = train_in_process(tmp_path / "grpo", f"env.reward_model.model_name={rm_dir}/hf",
                                   "grpo.max_num_steps=100", "grpo.val_period=0", "grpo.val_at_start=false",
-                                  "logger.plot=false", config="configs/grpo_rm_tiny_cpu.yaml")
+                                  "logger.plot=false", config="configs/grpo_rm_tiny_cpu.yaml", pool=run_actors_pool)
     first, last = first_and_last_10([r["reward"] for r in trainer.history])
     assert last - first >= 0.3, (first, last)
     assert all(r["reward_model_env/num_samples"] == 128 for r in trainer.history)
@@ -123,10 +123,10 @@ CODE_STEPS = 40
 
 
 @pytest.mark.slow
-def test_code_recipe_learns(ray_cluster, tmp_path):
+def test_code_recipe_learns(ray_cluster, run_actors_pool, tmp_path):
     """GRPO with the code environment: programs run in the sandbox; greedy accuracy and reward rise."""
     trainer, _ = train_in_process(tmp_path, "logger.plot=false", f"grpo.max_num_steps={CODE_STEPS}",
-                                  "grpo.val_period=20", config="configs/grpo_code_tiny_cpu.yaml")
+                                  "grpo.val_period=20", config="configs/grpo_code_tiny_cpu.yaml", pool=run_actors_pool)
     rewards = [r["reward"] for r in trainer.history]
     first, last = first_and_last_10(rewards)
     val = read_metrics(f"{tmp_path}/logs", "val")
@@ -162,13 +162,14 @@ MIN_GAIN = 0.02
 
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", OBJECTIVES)
-def test_objective_learns(ray_cluster, tmp_path, objective):
+def test_objective_learns(ray_cluster, run_actors_pool, tmp_path, objective):
     """The policy's expected reward rises by MIN_GAIN within LEARNING_STEPS steps, with each objective; with
     LoRA, the engine samples from the merged policy after every refit (the later refits send only the layers
     under adapters)."""
     config = "configs/grpo_tiny_lora_cpu.yaml" if objective == "lora" else None
     trainer, (before, after) = train_in_process(tmp_path, *SHORT_RUN, f"grpo.max_num_steps={LEARNING_STEPS}",
-                                                *OBJECTIVES[objective], config=config, measure=policy_expected_reward)
+                                                *OBJECTIVES[objective], config=config, measure=policy_expected_reward,
+                                                pool=run_actors_pool)
     print(f"{objective}: expected reward {before:.4f} -> {after:.4f}")
     assert len(trainer.history) == LEARNING_STEPS and after - before >= MIN_GAIN, (before, after)
     if objective in ("gspo", "cispo"):  # the off-policy step clipped something: the objective's own clip ran

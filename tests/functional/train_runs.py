@@ -42,21 +42,26 @@ def run_train(tmp_path, *overrides, config: str = None, timeout: int = 1500):
                       timeout=timeout)
 
 
-def train_in_process(tmp_path, *overrides, config: str = None, measure=None):
+def train_in_process(tmp_path, *overrides, config: str = None, measure=None, pool=None):
     """The run `python -m nemo_grpo.train` would make, built in this process on the session's Ray cluster (the
     caller requests the ray_cluster fixture): logs and checkpoints under tmp_path, no console set-up, the
     trainer closed after run(). measure(trainer) -> value, if given, is taken before and after the run on the
-    live policy. Returns (trainer, (before, after) or None)."""
-    from nemo_grpo.build import build_trainer
+    live policy. pool: the module's run_actors_pool, whose actors the run borrows (reset to their start) when
+    it would build the same ones. Returns (trainer, (before, after) or None)."""
+    from nemo_grpo.build import build_trainer, start_actors
     from nemo_grpo.validation import load_config
 
     cfg = load_config(config, [f"checkpointing.checkpoint_dir={tmp_path}/ckpt", f"logger.log_dir={tmp_path}/logs",
                                "logger.progress_bar=false", *overrides])
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, start=pool.start if pool is not None else start_actors)
     try:
         before = measure(trainer) if measure else None
         trainer.run()
         after = measure(trainer) if measure else None
+    except BaseException:
+        if pool is not None:
+            trainer.actors.keep = False  # a failed run's actors are not lent again
+        raise
     finally:
         trainer.close()
     return trainer, ((before, after) if measure else None)

@@ -137,3 +137,25 @@ def test_chunks_are_contiguous_and_balanced(n_items, n_workers):
     assert len(chunks) == n_workers
     assert sum(chunks, []) == list(range(n_items))
     assert max(map(len, chunks)) - min(map(len, chunks)) <= 1
+
+
+def test_identical_pairs_are_verified_once_and_every_sample_gets_its_score():
+    """A group's G samples often end alike: each distinct (reply tail, reference) pair goes to the verifiers once,
+    and the scores come back to every sample in order."""
+    from nemo_grpo.config import MathEnvConfig
+    from nemo_grpo.envs.math_env import MathEnvironment
+
+    env = MathEnvironment.__new__(MathEnvironment)  # its verifier actors replaced by verify_answer in-process
+    env.cfg, env._workers, seen = MathEnvConfig(), ["verifier"], []
+
+    def score_all(pairs):
+        seen.extend(pairs)
+        return [verify_answer(r, g, 5.0, env.cfg.max_answer_chars) for r, g in pairs]
+
+    env._score_all = score_all
+    replies = ["\\boxed{7}", "7", "\\boxed{7}", "8", "\\boxed{7}", "7"]
+    golds = ["7", "7", "7", "7", "8", "7"]
+    out = env.step([[{"role": "assistant", "content": r}] for r in replies], [{"ground_truth": g} for g in golds])
+    assert out.rewards.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    assert out.answers == ["7", "7", "7", "8", "7", "7"]
+    assert sorted(seen) == sorted({("\\boxed{7}", "7"), ("7", "7"), ("8", "7"), ("\\boxed{7}", "8")})
