@@ -110,9 +110,10 @@ def test_a_hung_or_dead_worker_is_restarted_and_its_chunk_scores_zero(ray_cluste
         safety_slack_s = 1.0
 
     env = ray.remote(FaultyEnv).options(num_cpus=0).remote(MathEnvConfig(num_workers=3, timeout_s=0.5))
-    golds = ["hang", "8", "die", "8"]  # chunks: [hang, 8] [die] [8] on workers 0, 1, 2
+    # four distinct pairs (identical ones are verified once): chunks [hang, 8] [die] [\boxed{8}] on workers 0, 1, 2
+    golds = ["hang", "8", "die", "8"]
     start = time.monotonic()
-    ret = ray.get(env.step.remote(_logs(["8"] * 4), [{"ground_truth": g} for g in golds]))
+    ret = ray.get(env.step.remote(_logs(["8", "8", "8", "\\boxed{8}"]), [{"ground_truth": g} for g in golds]))
     assert ret.rewards.tolist() == [0.0, 0.0, 0.0, 1.0]
     assert ret.answers == [None, None, None, "8"]
     assert time.monotonic() - start < 60
