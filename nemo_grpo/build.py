@@ -5,15 +5,28 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+import ray
+from transformers import AutoTokenizer
+
+from nemo_grpo.algorithms.grpo import GRPOTrainer, RunActors
 from nemo_grpo.config import MasterConfig, to_dict
+from nemo_grpo.data.datasets import load_problems
+from nemo_grpo.data.prompts import PromptLoader, build_prompts, read_prompt_files
+from nemo_grpo.distributed.cluster import init_ray
+from nemo_grpo.distributed.resource_plan import plan_resources, reserve
+from nemo_grpo.envs import create_env
+from nemo_grpo.generation import make_generation_engine
+from nemo_grpo.models.builtin import resolve_model_path
+from nemo_grpo.models.files import check_model_dir
+from nemo_grpo.policy import Policy
+from nemo_grpo.utils.checkpoint import CheckpointManager
+from nemo_grpo.utils.logger import Logger
 from nemo_grpo.validation import validate_model_layout
 
 log = logging.getLogger(__name__)
 
 
 def load_tokenizer(cfg: MasterConfig, model_path: str):
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(cfg.policy.tokenizer.name or model_path)
     if cfg.policy.tokenizer.chat_template is not None:
         tokenizer.chat_template = cfg.policy.tokenizer.chat_template
@@ -25,9 +38,6 @@ def load_tokenizer(cfg: MasterConfig, model_path: str):
 def load_datasets(cfg: MasterConfig) -> dict:
     """data.* split ("train", "validation") -> its raw problems: the data and prompt files are read (and their
     errors raised) before any model, tokenizer or actor is loaded."""
-    from nemo_grpo.data.datasets import load_problems
-    from nemo_grpo.data.prompts import read_prompt_files
-
     problems = {}
     for split, ds in (("train", cfg.data.train), ("validation", cfg.data.validation)):
         if ds is not None:
@@ -38,8 +48,6 @@ def load_datasets(cfg: MasterConfig) -> dict:
 
 def build_datasets(cfg: MasterConfig, tokenizer, problems: dict | None = None):
     """(train PromptLoader, validation datums) from data.* (or from load_datasets' `problems`)."""
-    from nemo_grpo.data.prompts import PromptLoader, build_prompts
-
     problems = load_datasets(cfg) if problems is None else problems
     n = cfg.data.max_input_seq_length
     train, _ = build_prompts(problems["train"], tokenizer, cfg.data.train, n, "data.train")
@@ -53,8 +61,6 @@ def build_datasets(cfg: MasterConfig, tokenizer, problems: dict | None = None):
 def build_environments(cfg: MasterConfig, plan=None, groups: dict | None = None) -> dict:
     """task name -> environment actor, one actor per environment named in data.*.env_name; the reward model
     starts on its share of the resource plan."""
-    from nemo_grpo.envs import create_env
-
     names = {ds.env_name for ds in (cfg.data.train, cfg.data.validation) if ds is not None}
     envs = {}
     for name in sorted(names):
@@ -69,13 +75,6 @@ def start_actors(cfg: MasterConfig, model_path: str):
     """The run's actors (algorithms/grpo.py RunActors) on the resource plan's placement groups: the environments,
     then the policy with the generation engine starting beside it (each takes seconds: imports, the model
     build, vLLM's start-up), ready when this returns."""
-    import ray
-
-    from nemo_grpo.algorithms.grpo import RunActors
-    from nemo_grpo.distributed.resource_plan import plan_resources, reserve
-    from nemo_grpo.generation import make_generation_engine
-    from nemo_grpo.policy import Policy
-
     plan = plan_resources(cfg)
     log.info("resource plan:\n%s", plan.describe())
     groups = reserve(plan)
@@ -109,13 +108,6 @@ def build_trainer(cfg: MasterConfig, *, log_to_driver: bool = True, start=start_
     UserInputError comes before Ray or any actor starts. log_to_driver=False leaves the Ray workers' output
     in Ray's session logs. start(cfg, model_path) -> RunActors gives the run its actors (`start_actors`; a
     caller running several runs in one process may hand back actors it kept, reset to their start)."""
-    from nemo_grpo.algorithms.grpo import GRPOTrainer
-    from nemo_grpo.distributed.cluster import init_ray
-    from nemo_grpo.models.builtin import resolve_model_path
-    from nemo_grpo.models.files import check_model_dir
-    from nemo_grpo.utils.checkpoint import CheckpointManager
-    from nemo_grpo.utils.logger import Logger
-
     checkpointer = CheckpointManager(cfg.checkpointing)  # creates checkpoint_dir, checks that it is writable
     if cfg.checkpointing.enabled and cfg.checkpointing.resume:
         checkpointer.get_latest_checkpoint_path()  # file sizes only: a damaged newest warns, all damaged raises

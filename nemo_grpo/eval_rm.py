@@ -30,6 +30,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def eval_rm(args: argparse.Namespace) -> int:
+    # here, not at the top: these import ray, transformers and torch; --help and argument errors are answered
+    # without them
     from nemo_grpo.algorithms.reward_model import evaluate
     from nemo_grpo.data.preferences import read_preference_pairs
     from nemo_grpo.distributed.cluster import init_ray

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from nemo_grpo.distributed.resource_plan import plan_resources
 from nemo_grpo.utils.cli import run_main
 from nemo_grpo.validation import load_config
 
@@ -19,8 +20,7 @@ from nemo_grpo.validation import load_config
 def plan_recipe(path: str | None, overrides: list[str]):
     """(config, resource plan, memory plan) of a recipe; ConfigError for a bad one. No file needs to exist
     but the recipe."""
-    from nemo_grpo.distributed.resource_plan import plan_resources
-    from nemo_grpo.planning.memory import plan_memory
+    from nemo_grpo.planning.memory import plan_memory  # here, not at the top: it imports transformers (~1 s)
 
     cfg = load_config(path, overrides, files=False)
     resources = plan_resources(cfg)

@@ -20,10 +20,13 @@ import os
 import time
 from typing import Any, Iterator, Optional
 
+import ray
 import torch
 
+from nemo_grpo.backends import worker_class
 from nemo_grpo.backends.batching import (PACKING_ALGORITHMS, batch_size_of, equalize_group_counts, slice_batch,
                                        split_sizes, token_budget_groups)
+from nemo_grpo.distributed.worker_group import WorkerGroup
 from nemo_grpo.layout import policy_layout
 
 log = logging.getLogger(__name__)
@@ -56,9 +59,6 @@ class Policy:
 
     def __init__(self, cfg, cluster, model_path: str, *, scalar_head: bool = False, init_reference: bool = False,
                  seed: int = 0, name: str = "policy", placement_group=None):
-        from nemo_grpo.backends import worker_class
-        from nemo_grpo.distributed.worker_group import WorkerGroup
-
         self.cfg, self.name = cfg, name
         self.scalar_head, self.init_reference = scalar_head, init_reference
         self.world_size = cluster.gpus_per_node * cluster.num_nodes
@@ -82,8 +82,6 @@ class Policy:
     def _per_rank(self, shards: list[Any], *extra_per_dp: list[Any]) -> list[tuple]:
         """One object-store copy per DP shard; every rank of a DP group gets the same reference (and the same
         entry of each `extra_per_dp` list)."""
-        import ray
-
         refs = [ray.put(s) for s in shards]
         return [(refs[d], *(extra[d] for extra in extra_per_dp)) for d in self._dp_rank_of]
 
@@ -105,8 +103,6 @@ class Policy:
 
     def _gather(self, refs: list) -> list[Any]:
         """Results of the output rank of each DP group, in DP order."""
-        import ray
-
         results = ray.get(refs)
         return [results[self._output_rank_of[d]] for d in range(self.dp_size)]
 
@@ -176,8 +172,6 @@ class Policy:
             for d in range(dp):
                 step = {"data": shards[d], "global_valid_seqs": gvs, "global_valid_toks": gvt}
                 per_dp[d].append(step if plan is None else {**step, "micro_batches": plan[d]})
-        import ray
-
         refs = self.group.run_each("train", self._per_rank(per_dp), loss_fn=ray.put(loss_fn))
         by_rank = ray.get(refs)
         return self._aggregate([by_rank[self._output_rank_of[d]] for d in range(dp)], by_rank[0])
@@ -202,8 +196,6 @@ class Policy:
         """Full, HF-named CPU tensors (names exactly as the HF model's state_dict), in buckets of at most
         ~bucket_size_mb (>= 1 tensor each). Each bucket is a collective on all ranks; the next one is
         requested while the caller consumes the current one."""
-        import ray
-
         count = self.group.run_all("plan_weight_export", bucket_size_mb)[0]
         pending = self.group.run_all_async("export_weight_bucket", 0) if count else None
         for i in range(count):

@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from nemo_grpo.config import TOP_LEVEL_SECTIONS
+from nemo_grpo.config import TOP_LEVEL_SECTIONS, to_yaml
 from nemo_grpo.utils.cli import configure_console, log_to_file, run_main
 from nemo_grpo.validation import load_config
 
@@ -44,10 +44,10 @@ def train(args: argparse.Namespace) -> int:
     configure_console(args.verbose)
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
-        from nemo_grpo.config import to_yaml
-
         print(to_yaml(cfg))
         return 0
+    # here, not at the top: build imports ray, transformers and the back ends, logger matplotlib and tensorboard;
+    # a config error (exit 2) is reported without them
     from nemo_grpo.build import build_trainer
     from nemo_grpo.utils.logger import prepare_log_dir
 

@@ -26,6 +26,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def train_rm(args: argparse.Namespace) -> int:
+    # here, not at the top: reward_model imports ray and transformers, validation torch; --help and argument
+    # errors are answered without them
     from nemo_grpo.algorithms.reward_model import RewardModelTrainer
     from nemo_grpo.validation import load_rm_train_config
 

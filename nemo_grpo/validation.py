@@ -7,6 +7,9 @@ the key, before anything is built:
     cfg = load_config("configs/grpo_tiny_cpu.yaml", ["grpo.max_num_steps=50"])   # MasterConfig, validated
     cfg = load_config(path, overrides, files=False)          # planning before models or data are downloaded
     cfg = load_rm_train_config(path, overrides)              # RMTrainConfig (python -m nemo_grpo.train_rm)
+
+The entry points import this module before they parse a config, so it imports transformers (and models.builtin,
+which imports it) inside the checks that need them, not at the top.
 """
 
 from __future__ import annotations
@@ -15,14 +18,21 @@ import importlib.util
 import os
 from typing import Optional
 
+from nemo_grpo.algorithms.advantages import ESTIMATORS
+from nemo_grpo.algorithms.losses import LOSSES, check_loss_config
+from nemo_grpo.backends import BACKENDS
+from nemo_grpo.backends.batching import PACKING_ALGORITHMS
 from nemo_grpo.config import (BUILTIN_MODEL_PREFIX, DatasetConfig, MasterConfig, PolicyConfig,
                               RewardModelEnvConfig, RMEvalConfig, RMTrainConfig, read_config)
+from nemo_grpo.distributed.resource_plan import plan_resources
+from nemo_grpo.envs import ENVIRONMENTS
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.errors import require as _need
 from nemo_grpo.errors import require_choice as _choice
-from nemo_grpo.layout import ParallelLayout, check_inactive_degrees, policy_layout
+from nemo_grpo.layout import ParallelLayout, backend_layout, check_inactive_degrees, policy_layout
 from nemo_grpo.models.files import check_model_dir
 from nemo_grpo.models.lora import validate_lora
+from nemo_grpo.models.spec import check_divisible, check_rope
 
 PRECISIONS = ["float32", "bfloat16"]
 
@@ -60,7 +70,7 @@ def _positive(value, key: str, nullable: bool = False) -> None:
 
 def _need_model_dir(path: str, key: str, what: str) -> None:
     if path.startswith(BUILTIN_MODEL_PREFIX):
-        from nemo_grpo.models.builtin import builtin_name
+        from nemo_grpo.models.builtin import builtin_name  # here: it imports transformers (see the module's note)
 
         builtin_name(path, key)
         return
@@ -77,8 +87,6 @@ def _need_data_file(path: Optional[str], key: str) -> None:
 def world_size(cfg: MasterConfig) -> int:
     """The policy's devices (worker processes on a CPU): the cluster less what the resource plan gives the
     reward model and non-colocated generation (nemo_grpo/distributed/resource_plan.py)."""
-    from nemo_grpo.distributed.resource_plan import plan_resources
-
     return plan_resources(cfg).placements["policy"].world_size
 
 
@@ -113,8 +121,6 @@ def validate(cfg: MasterConfig, files: bool = True) -> None:
 def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy", scalar_head: bool = False) -> None:
     """The policy section's own values (not its layout, which needs the world size); scalar_head: a reward
     model's."""
-    from nemo_grpo.backends import BACKENDS
-
     _choice(p.backend, f"{prefix}.backend", sorted(BACKENDS))
     _choice(p.precision, f"{prefix}.precision", PRECISIONS)
     _choice(p.optimizer.name, f"{prefix}.optimizer.name", ["adamw", "sgd"])
@@ -162,8 +168,6 @@ def _validate_dynamic_batching(p: PolicyConfig, prefix: str) -> None:
 
 
 def _validate_sequence_packing(p: PolicyConfig, prefix: str) -> None:
-    from nemo_grpo.backends.batching import PACKING_ALGORITHMS
-
     sp, key = p.sequence_packing, f"{prefix}.sequence_packing."
     if not sp.enabled:
         return
@@ -177,9 +181,7 @@ def _validate_sequence_packing(p: PolicyConfig, prefix: str) -> None:
 def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "policy") -> None:
     """The model's heads, KV heads, MLP width (and layers) split over the layout's tp (and pp), and Megatron builds
     its RoPE: checked from its config.json before any worker starts; a ConfigError names the key and the sizes."""
-    from transformers import AutoConfig
-
-    from nemo_grpo.models.spec import check_divisible, check_rope
+    from transformers import AutoConfig  # here: ~1 s to import (see the module's note)
 
     try:
         hf = AutoConfig.from_pretrained(model_path)
@@ -238,8 +240,6 @@ def _validate_batches(cfg: MasterConfig, layout: ParallelLayout) -> None:
 
 
 def _validate_loss(cfg: MasterConfig) -> None:
-    from nemo_grpo.algorithms.losses import LOSSES, check_loss_config
-
     _choice(cfg.loss_fn.name, "loss_fn.name", sorted(LOSSES))
     check_loss_config(cfg.loss_fn)
 
@@ -285,8 +285,6 @@ def _validate_async(cfg: MasterConfig) -> None:
 
 
 def _validate_advantages(cfg: MasterConfig) -> None:
-    from nemo_grpo.algorithms.advantages import ESTIMATORS
-
     g, est = cfg.grpo, cfg.grpo.adv_estimator
     _choice(est.name, "grpo.adv_estimator.name", sorted(ESTIMATORS))
     lo, hi = g.advantage_clip_low, g.advantage_clip_high
@@ -322,8 +320,6 @@ def _validate_reward_shaping(cfg: MasterConfig) -> None:
 
 
 def _validate_data_env(cfg: MasterConfig, files: bool) -> None:
-    from nemo_grpo.envs import ENVIRONMENTS
-
     d = cfg.data
     _positive(d.max_input_seq_length, "data.max_input_seq_length")
     for split in ("train", "validation"):
@@ -339,8 +335,6 @@ def _validate_data_env(cfg: MasterConfig, files: bool) -> None:
             _need(path is None or not files or os.path.isfile(path), f"data.{split}.{key}", f"file not found: {path}")
     rm = cfg.env.reward_model
     if rm is not None and rm.active:
-        from nemo_grpo.distributed.resource_plan import plan_resources
-
         _validate_reward_model(rm, plan_resources(cfg).placements["reward_model"].world_size, files)
     if cfg.env.code is not None:
         c = cfg.env.code
@@ -356,8 +350,6 @@ def _validate_data_env(cfg: MasterConfig, files: bool) -> None:
 def _validate_reward_model(r: RewardModelEnvConfig, world: int, files: bool = True,
                            prefix: str = "env.reward_model") -> None:
     """A reward model's section on its `world` devices."""
-    from nemo_grpo.backends import BACKENDS
-
     key = prefix + "."
     if files:
         _need(os.path.isdir(r.model_name), key + "model_name",
@@ -369,8 +361,6 @@ def _validate_reward_model(r: RewardModelEnvConfig, world: int, files: bool = Tr
     _positive(r.batch_size, key + "batch_size")
     _positive(r.max_model_len, key + "max_model_len")
     check_inactive_degrees(r.dtensor_cfg, r.megatron_cfg, prefix)
-    from nemo_grpo.layout import backend_layout
-
     backend_layout(r.backend, r.dtensor_cfg, r.megatron_cfg, world, prefix,
                    where=f"the reward model's {world} devices ({key}resources)")
 

@@ -16,7 +16,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import ray
 import torch
+from ray.exceptions import RayActorError
 
 from nemo_grpo.algorithms.advantages import dynamic_sampling_keep, estimate_advantages, scale_rewards, shape_rewards
 from nemo_grpo.algorithms.async_rollouts import GenerationFailed, RolloutCollector, Rollouts
@@ -24,6 +26,7 @@ from nemo_grpo.algorithms.kl import generation_mismatch_metrics, sequence_kl
 from nemo_grpo.algorithms.losses import make_loss
 from nemo_grpo.algorithms.rollout import Sample, collate, run_rollouts
 from nemo_grpo.config import MasterConfig, to_yaml
+from nemo_grpo.distributed.resource_plan import release
 from nemo_grpo.models import lora
 from nemo_grpo.weights.refit import make_refitter
 from nemo_grpo.utils.timer import Timer
@@ -81,10 +84,6 @@ class RunActors:
 
     def close(self) -> None:
         """Shut down the environments, the engine and the policy; free the placement groups."""
-        import ray
-
-        from nemo_grpo.distributed.resource_plan import release
-
         for env in {id(e): e for e in self.envs.values()}.values():
             ray.get(env.shutdown.remote())
         for actor in (self.engine, self.policy):
@@ -273,8 +272,6 @@ class GRPOTrainer:
         """Refit after step `step`; under async GRPO between two generation batches (with in-flight weight
         updates at once: the engine takes it between two forward steps), then the collector may run on. A dead
         engine is a GenerationFailed that says the run stops."""
-        from ray.exceptions import RayActorError
-
         between_batches = self.collector is not None and not self.cfg.grpo.async_grpo.in_flight_weight_updates
         lock = self.collector.engine_lock if between_batches else contextlib.nullcontext()
         with lock:
@@ -298,8 +295,6 @@ class GRPOTrainer:
     @staticmethod
     def _gather(refs: list) -> list:
         """The values of the environments' Ray object refs (the unit tests, without Ray, put identity here)."""
-        import ray
-
         return ray.get(refs)
 
     def refit(self) -> dict[str, float]:
@@ -442,8 +437,6 @@ class GRPOTrainer:
 
     def close(self) -> None:
         """Close the logs (and draw the plot), the refit's transfer, then the run's actors (RunActors.close)."""
-        from ray.exceptions import RayActorError
-
         self.logger.close()
         if self.cfg.logger.plot:
             self.plot_path = self.logger.save_plot()

@@ -23,8 +23,16 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from nemo_grpo.config import to_dict, to_yaml
+from nemo_grpo.config import ClusterConfig, to_dict, to_yaml
+from nemo_grpo.data.preferences import pad_id_of, pair_batch, read_preference_pairs, render_conversation, right_padded
+from nemo_grpo.distributed.cluster import init_ray
+from nemo_grpo.envs.reward_model_env import reward_model_tokenizer
+from nemo_grpo.models.builtin import resolve_model_path
+from nemo_grpo.policy import Policy
+from nemo_grpo.utils.checkpoint import CheckpointManager
+from nemo_grpo.utils.logger import Logger
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +61,6 @@ def pair_accuracy(scores: torch.Tensor) -> torch.Tensor:
 def prepare_model(model_path: str, out_dir: str, seed: int) -> str:
     """A *ForSequenceClassification directory (num_labels 1): model_path itself, or model_path's LM with a
     seeded new score head saved under out_dir/init."""
-    import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
     config = AutoConfig.from_pretrained(model_path)
     if any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
         return model_path
@@ -74,15 +79,6 @@ class RewardModelTrainer:
 
     def __init__(self, cfg):
         """cfg: RMTrainConfig (nemo_grpo/config.py), validated."""
-        from transformers import AutoTokenizer
-
-        from nemo_grpo.data.preferences import pad_id_of
-        from nemo_grpo.distributed.cluster import init_ray
-        from nemo_grpo.models.builtin import resolve_model_path
-        from nemo_grpo.policy import Policy
-        from nemo_grpo.utils.checkpoint import CheckpointManager
-        from nemo_grpo.utils.logger import Logger
-
         self.cfg = cfg
         path = prepare_model(resolve_model_path(cfg.policy.model_name), cfg.rm.output_dir, cfg.rm.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -96,8 +92,6 @@ class RewardModelTrainer:
         self.step = 0
 
     def _tokenized(self, path: str, seed: int) -> list[tuple[list[int], list[int]]]:
-        from nemo_grpo.data.preferences import read_preference_pairs, render_conversation
-
         n = self.cfg.data.max_seq_length
         return [(render_conversation(self.tokenizer, p["chosen"], n)[0],
                  render_conversation(self.tokenizer, p["rejected"], n)[0]) for p in read_preference_pairs(path, seed)]
@@ -114,8 +108,6 @@ class RewardModelTrainer:
         return out
 
     def validate(self) -> dict[str, float]:
-        from nemo_grpo.data.preferences import right_padded
-
         if not self.val_pairs:
             return {}
         scores = self.policy.score(right_padded([ids for pair in self.val_pairs for ids in pair], self.pad_id))
@@ -138,8 +130,6 @@ class RewardModelTrainer:
             log.info("resumed from %s at step %d", path, self.step)
 
     def run(self) -> dict[str, float]:
-        from nemo_grpo.data.preferences import pair_batch
-
         cfg, val = self.cfg, {}
         self.maybe_resume()
         while self.step < cfg.rm.max_num_steps:
@@ -163,11 +153,6 @@ class RewardModelTrainer:
 
 def evaluate(env_cfg, pairs: list[dict], num_workers: int = 1) -> dict[str, tuple[float, int]]:
     """env.reward_model-style config + preference pairs -> {subset: (accuracy, pairs)}, plus "all"."""
-    from nemo_grpo.config import ClusterConfig
-    from nemo_grpo.data.preferences import render_conversation, right_padded
-    from nemo_grpo.envs.reward_model_env import reward_model_tokenizer
-    from nemo_grpo.policy import Policy
-
     tokenizer, pad = reward_model_tokenizer(env_cfg)
     rows = [render_conversation(tokenizer, p[side], env_cfg.max_model_len)[0] for p in pairs
             for side in ("chosen", "rejected")]

@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import ray
 import torch
 
 from nemo_grpo.data.prompts import Datum, render_prompt
@@ -77,8 +78,6 @@ def _generate_turn(samples: list[Sample], engine, tokenizer, max_new_tokens: int
 
 def _step_environments(active: list[Sample], task_to_env: dict, tokenizer, last_turn: bool) -> None:
     """Send each sample to its task's environment (all environments in parallel) and apply the results."""
-    import ray
-
     by_task = defaultdict(list)
     for s in active:
         by_task[s.datum.task_name].append(s)

@@ -23,11 +23,13 @@ from abc import ABC, abstractmethod
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from nemo_grpo.backends import checkpoint_state
 from nemo_grpo.backends.batching import batch_size_of, fixed_size_groups, take_rows
 from nemo_grpo.backends.model_inputs import ModelInputs, model_inputs
 from nemo_grpo.backends.optimizer import build_optimizer, clip_coefficient, lr_warmup_factor
+from nemo_grpo.distributed.worker_group import init_torch_distributed
 from nemo_grpo.layout import ParallelLayout, policy_layout
 from nemo_grpo.models import lora
 from nemo_grpo.weights.sender import WeightSender
@@ -64,10 +66,6 @@ class PolicyWorker(WeightSender, ABC):
 
     def __init__(self, cfg, model_path: str, *, scalar_head: bool = False, init_reference: bool = False,
                  seed: int = 0):
-        import torch.distributed as dist
-
-        from nemo_grpo.distributed.worker_group import init_torch_distributed
-
         self.cfg, self.model_path, self.scalar_head, self.seed = cfg, model_path, scalar_head, seed
         self.device = init_torch_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -211,8 +209,6 @@ class PolicyWorker(WeightSender, ABC):
     def layout(self) -> dict[str, Any]:
         """Where this rank sits: rank, dp_rank, dp_size, output_rank (1 if it returns its DP group's results),
         and what it runs on: device ("cuda:0" | "cpu") and dist_backend ("nccl" | "gloo")."""
-        import torch.distributed as dist
-
         return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
                 "output_rank": int(self.output_rank), "device": str(self.device), "dist_backend": dist.get_backend()}
 

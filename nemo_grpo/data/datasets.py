@@ -112,7 +112,7 @@ def read_hf_dataset(name: str, subset: str | None, split: str, input_key: str, o
     subset or split, no network with HF_HUB_OFFLINE) is an error naming `section`.data_path."""
     key = f"{section}.data_path"
     try:
-        import datasets
+        import datasets  # optional: nemo-grpo[datasets]; the error below names it where it is not installed
     except ImportError:
         raise DataError(f"config key '{key}': '{name}' is not a local file, so it names a Hugging Face dataset, "
                         "which needs the datasets package: pip install 'nemo-grpo[datasets]'") from None

@@ -6,6 +6,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+
 from nemo_grpo.config import DatasetConfig
 from nemo_grpo.data.datasets import DataError
 
@@ -115,8 +117,6 @@ class PromptLoader:
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
-        import torch  # here, not at the top: the data files are read (and checked) without it
-
         if not self.shuffle:
             return list(range(len(self.datums)))
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)

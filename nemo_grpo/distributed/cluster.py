@@ -5,6 +5,11 @@ from __future__ import annotations
 import logging
 import os
 
+import ray
+
+from nemo_grpo.distributed.reaper import start_reaper
+from nemo_grpo.utils.cli import quiet_libraries
+
 log = logging.getLogger(__name__)
 
 # environment every actor gets: no hub, quiet tokenizers, one math thread unless the worker pins more
@@ -30,13 +35,9 @@ def init_ray(num_cpus: int | None = None, address: str | None = None, log_to_dri
     own logs) out of this process's console: they stay in Ray's session directory, which is logged here; and
     this process's libraries (Ray's own banner included) log through the root logger (utils/cli.py).
     """
-    import ray
-
     if ray.is_initialized():
         return
     if not log_to_driver:
-        from nemo_grpo.utils.cli import quiet_libraries
-
         quiet_libraries()
     for k, v in WORKER_ENV.items():
         os.environ.setdefault(k, v)
@@ -51,8 +52,6 @@ def init_ray(num_cpus: int | None = None, address: str | None = None, log_to_dri
                            configure_logging=False)
     session = getattr(context, "address_info", {}).get("session_dir")
     if not address and session:
-        from nemo_grpo.distributed.reaper import start_reaper
-
         start_reaper(session)
     if not log_to_driver:
         where = os.path.join(session, "logs") if session else "Ray's session directory (/tmp/ray/session_latest/logs)"

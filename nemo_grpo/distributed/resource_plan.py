@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from nemo_grpo.config import ConfigError, MasterConfig
+from nemo_grpo.config import ClusterConfig, ConfigError, MasterConfig
 
 ROLES = ("policy", "generation", "reward_model")
 NODE_INDEX_RESOURCE_PREFIX = "node_index:"
@@ -52,8 +52,6 @@ class Placement:
 
     def as_cluster(self, num_threads_per_worker: int = 1):
         """A ClusterConfig of this role's shape, e.g. for a WorkerGroup on the role's placement group."""
-        from nemo_grpo.config import ClusterConfig
-
         return ClusterConfig(gpus_per_node=self.gpus_per_node, num_nodes=self.num_nodes,
                              num_threads_per_worker=num_threads_per_worker)
 
@@ -185,11 +183,17 @@ def _node_sort_key(node: dict) -> tuple:
     return (index, HEAD_NODE_RESOURCE not in node["Resources"], node["NodeID"])
 
 
-def ordered_node_ids(device: str = "GPU") -> list[str]:
-    """Alive Ray nodes with `device` resources, in planned-node order (see the module docstring): node ids."""
+def _ray():
+    """The ray module. Imported here, not at the top: validation plans the resources of every config it checks
+    (a config error, exit 2, included), which needs no Ray, and importing ray takes ~0.5 s."""
     import ray
 
-    return order_nodes(ray.nodes(), device)
+    return ray
+
+
+def ordered_node_ids(device: str = "GPU") -> list[str]:
+    """Alive Ray nodes with `device` resources, in planned-node order (see the module docstring): node ids."""
+    return order_nodes(_ray().nodes(), device)
 
 
 def order_nodes(nodes: list[dict], device: str = "GPU") -> list[str]:
@@ -201,9 +205,7 @@ def order_nodes(nodes: list[dict], device: str = "GPU") -> list[str]:
 
 def _check_capacity(plan: ResourcePlan, device: str) -> list[str]:
     """Node ids of the planned nodes; RuntimeError with the arithmetic where Ray has too few nodes or devices."""
-    import ray
-
-    nodes = ray.nodes()
+    nodes = _ray().nodes()
     node_ids = order_nodes(nodes, device)
     if len(node_ids) < plan.num_nodes:
         raise RuntimeError(f"the resource plan needs {plan.num_nodes} nodes (cluster.num_nodes) but Ray has "
@@ -225,9 +227,7 @@ def reserve(plan: ResourcePlan, cpu_only: Optional[bool] = None,
 
     Bundles are {"GPU": 1, "CPU": 1}, or {"CPU": 1} when cpu_only (None: when the Ray cluster has no GPUs).
     """
-    import ray
-    from ray.util.placement_group import placement_group
-
+    ray = _ray()
     if cpu_only is None:
         cpu_only = ray.cluster_resources().get("GPU", 0) == 0
     device = "CPU" if cpu_only else "GPU"
@@ -236,8 +236,8 @@ def reserve(plan: ResourcePlan, cpu_only: Optional[bool] = None,
     groups, tag = {}, uuid.uuid4().hex[:8]  # placement-group names must be unique in the cluster
     for role, p in plan.placements.items():
         selectors = [{NODE_ID_LABEL: node_ids[node]} for node in p.bundle_nodes()]
-        groups[role] = placement_group([dict(bundle) for _ in selectors], strategy="PACK",
-                                       name=f"{role}-plan-pg-{tag}", bundle_label_selector=selectors)
+        groups[role] = ray.util.placement_group([dict(bundle) for _ in selectors], strategy="PACK",
+                                                name=f"{role}-plan-pg-{tag}", bundle_label_selector=selectors)
     ready_refs = {role: g.ready() for role, g in groups.items()}
     ready, _ = ray.wait(list(ready_refs.values()), num_returns=len(groups), timeout=timeout_s)
     if len(ready) < len(groups):
@@ -250,10 +250,8 @@ def reserve(plan: ResourcePlan, cpu_only: Optional[bool] = None,
 
 def release(groups: dict) -> None:
     """Remove the placement groups of `reserve` (already removed ones are skipped)."""
-    from ray.util.placement_group import remove_placement_group
-
     for group in groups.values():
         try:
-            remove_placement_group(group)
+            _ray().util.remove_placement_group(group)
         except Exception:  # already removed
             pass

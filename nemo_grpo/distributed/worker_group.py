@@ -17,10 +17,15 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import random
 import socket
 from typing import Any, Optional, Sequence
 
+import ray
 import torch
+import torch.distributed as dist
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nemo_grpo.distributed.cluster import WORKER_ENV
 
@@ -36,10 +41,6 @@ def _node_address_and_free_port() -> tuple[str, int]:
     """(IP of this node, a TCP port free on it right now): run in bundle 0, i.e. on rank 0's node. The port is
     drawn below the ephemeral range: a port the OS hands out (bind to 0) may be taken by any outgoing connection
     before rank 0's store binds it (seen: EADDRINUSE when many process groups come and go)."""
-    import random
-
-    import ray
-
     for port in random.sample(STORE_PORTS, 64):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -62,8 +63,6 @@ def init_torch_distributed(timeout_s: float = 1800.0) -> torch.device:
 
     NCCL when CUDA is available (Ray exposes one GPU per actor: cuda:0), else gloo on the CPU. Idempotent.
     """
-    import torch.distributed as dist
-
     pin_threads()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -88,8 +87,6 @@ class WorkerGroup:
     def __init__(self, worker_cls: type, cluster, *, name: str = "workers", args: Sequence[Any] = (),
                  kwargs: Optional[dict[str, Any]] = None, use_gpus: Optional[bool] = None,
                  env_vars: Optional[dict[str, str]] = None, placement_group=None):
-        import ray
-
         self.name = name
         self.world_size = cluster.gpus_per_node * cluster.num_nodes
         self.local_world_size = cluster.gpus_per_node
@@ -116,9 +113,6 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------------------------------ start-up
     def _reserve_bundles(self):
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-
         bundle = {"CPU": 1.0, "GPU": 1.0} if self.use_gpus else {"CPU": 1.0}
         pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK",
                              name=f"{self.name}-pg-{os.getpid()}-{id(self)}")
@@ -132,23 +126,17 @@ class WorkerGroup:
         return pg
 
     def _strategy(self, bundle_index: int):
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         return PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=bundle_index,
                                                 placement_group_capture_child_tasks=True)
 
     def _master_address(self) -> tuple[str, int]:
         """Rank 0's node picks the port; loopback when the Ray cluster is this one node."""
-        import ray
-
         probe = ray.remote(_node_address_and_free_port).options(num_cpus=0, scheduling_strategy=self._strategy(0))
         ip, port = ray.get(probe.remote())
         single_node = sum(1 for n in ray.nodes() if n.get("Alive")) == 1
         return ("127.0.0.1" if single_node else ip), port
 
     def _start_actor(self, worker_cls, rank, master_addr, master_port, env, args, kwargs):
-        import ray
-
         rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
                     "LOCAL_RANK": str(rank % self.local_world_size), "LOCAL_WORLD_SIZE": str(self.local_world_size),
                     "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
@@ -163,8 +151,6 @@ class WorkerGroup:
 
     def run_all(self, method: str, *args, **kwargs) -> list:
         """Call `method` on every rank and wait: results by rank."""
-        import ray
-
         return ray.get(self.run_all_async(method, *args, **kwargs))
 
     def run_each(self, method: str, args_per_rank: Sequence[Sequence[Any]], **kwargs) -> list:
@@ -175,9 +161,6 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Kill the actors and free the bundles; safe to call twice."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)

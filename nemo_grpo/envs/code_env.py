@@ -22,12 +22,15 @@ Metrics: code/{pass_rate, accuracy, timeouts, errors, syntax_errors, num_samples
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Optional
 
+import ray
 import torch
 
 from nemo_grpo.envs.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
+from nemo_grpo.envs.sandbox import Sandbox, SandboxLimits
 
 FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 OUTPUT_CHARS = 2000  # of a multi-turn observation
@@ -50,8 +53,6 @@ class SandboxWorker:
     """A Ray actor with one Sandbox; runs one program against its cases at a time."""
 
     def __init__(self, limits):
-        from nemo_grpo.envs.sandbox import Sandbox
-
         self.sandbox = Sandbox(limits)
 
     def mode(self) -> str:
@@ -91,12 +92,6 @@ class CodeEnvironment(EnvironmentInterface):
     """Scores code with `cfg.num_workers` sandbox workers; started as a Ray actor by `create_env`."""
 
     def __init__(self, cfg):
-        import logging
-
-        import ray
-
-        from nemo_grpo.envs.sandbox import SandboxLimits
-
         self.cfg = cfg
         limits = SandboxLimits(timeout_s=cfg.timeout_s, cpu_s=cfg.cpu_s, memory_mb=cfg.memory_mb,
                                max_output_bytes=cfg.max_output_bytes)
@@ -108,8 +103,6 @@ class CodeEnvironment(EnvironmentInterface):
         self._counts = {"timeouts": 0, "errors": 0, "syntax_errors": 0}  # since the last metrics call
 
     def step(self, message_logs: list[MessageLog], env_infos: list[dict[str, Any]]) -> EnvironmentReturn:
-        import ray
-
         n = len(message_logs)
         replies = [log_[-1]["content"] if log_ else "" for log_ in message_logs]
         infos = [dict(info or {}) for info in env_infos]
@@ -166,8 +159,6 @@ class CodeEnvironment(EnvironmentInterface):
         return batch, {f"code/{k}": v for k, v in metrics.items()}
 
     def shutdown(self) -> None:
-        import ray
-
         for w in getattr(self, "workers", []):
             ray.kill(w)
         self.workers = []

@@ -26,6 +26,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
+import ray
 import torch
 from math_verify import parse, verify  # imported here, not inside the per-sample alarm: the first import is slow
 
@@ -164,16 +165,12 @@ class MathEnvironment(EnvironmentInterface):
 
     def _start_workers(self, n: int) -> list:
         """Start n verifier actors at once and wait until all have imported and warmed up."""
-        import ray
-
         workers = [ray.remote(self.worker_cls).options(num_cpus=0, max_restarts=0).remote(
             self.cfg.timeout_s, self.cfg.max_answer_chars) for _ in range(n)]
         ray.get([w.ready.remote() for w in workers], timeout=WORKER_START_TIMEOUT_S)
         return workers
 
     def _restart_workers(self, indices: list[int]) -> None:
-        import ray
-
         for i in indices:
             ray.kill(self._workers[i], no_restart=True)
         for i, worker in zip(indices, self._start_workers(len(indices))):
@@ -181,8 +178,6 @@ class MathEnvironment(EnvironmentInterface):
 
     def _score_all(self, pairs: list[tuple[str, str]]) -> list[tuple[float, Optional[str]]]:
         """Split pairs across the workers; a worker that hangs past the safety bound or dies scores 0.0."""
-        import ray
-
         chunks = _chunks(pairs, len(self._workers))
         refs = {i: self._workers[i].score.remote(c) for i, c in enumerate(chunks) if c}
         bound_s = self.cfg.timeout_s * max(len(c) for c in chunks) + self.safety_slack_s
@@ -251,8 +246,6 @@ class MathEnvironment(EnvironmentInterface):
 
     def shutdown(self) -> None:
         """Kill the verifier workers; safe to call twice."""
-        import ray
-
         workers, self._workers = self._workers, []
         for worker in workers:
             ray.kill(worker, no_restart=True)

@@ -16,9 +16,12 @@ import logging
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
-from nemo_grpo.data.preferences import pad_id_of
+from nemo_grpo.config import ClusterConfig
+from nemo_grpo.data.preferences import pad_id_of, render_conversation, right_padded
 from nemo_grpo.envs.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
+from nemo_grpo.policy import Policy
 
 log = logging.getLogger(__name__)
 PREFIX = "reward_model_env"
@@ -26,8 +29,6 @@ PREFIX = "reward_model_env"
 
 def reward_model_tokenizer(cfg):
     """env.reward_model -> (its tokenizer, with tokenizer.chat_template applied when set; its pad id, else 0)."""
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer.name or cfg.model_name)
     if cfg.tokenizer.chat_template is not None:
         tokenizer.chat_template = cfg.tokenizer.chat_template
@@ -40,9 +41,6 @@ class RewardModelEnvironment(EnvironmentInterface):
     def __init__(self, cfg, placement=None, placement_group=None):
         """cfg: env.reward_model; placement / placement_group: the reward model's share of the resource plan
         (resource_plan.Placement and its reserved group); without them, env.reward_model.resources."""
-        from nemo_grpo.config import ClusterConfig
-        from nemo_grpo.policy import Policy
-
         if cfg.reward_model_cfg.reward_model_type != "bradley_terry":
             raise ValueError(f"env.reward_model.reward_model_cfg.reward_model_type="
                              f"'{cfg.reward_model_cfg.reward_model_type}' is not supported; known: bradley_terry")
@@ -57,8 +55,6 @@ class RewardModelEnvironment(EnvironmentInterface):
 
     def step(self, message_logs: list[MessageLog], env_infos: list[dict[str, Any]]) -> EnvironmentReturn:
         """Rewards [B] = the reward model's score of each whole conversation; all terminated."""
-        from nemo_grpo.data.preferences import render_conversation, right_padded
-
         if self.policy is None:
             raise RuntimeError("RewardModelEnvironment.step called after shutdown()")
         rendered = [render_conversation(self.tokenizer, [_chat_message(m) for m in log_], self.cfg.max_model_len)

@@ -38,6 +38,7 @@ import ctypes
 import logging
 import os
 import resource
+import selectors
 import shutil
 import signal
 import subprocess
@@ -181,8 +182,6 @@ def _execute(cmd: list[str], stdin: str, limits: SandboxLimits, cwd: str, env: O
 def _communicate(proc: subprocess.Popen, stdin: bytes, limits: SandboxLimits,
                  start: float) -> tuple[bytes, bytes, bool, bool]:
     """Non-blocking reads of both pipes with a byte cap and the wall-clock deadline."""
-    import selectors
-
     try:
         proc.stdin.write(stdin)
         proc.stdin.close()

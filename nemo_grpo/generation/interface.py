@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+import ray
 import torch
 
 @dataclass
@@ -51,14 +52,10 @@ class GenerationEngine(ABC):
 
     def refits_mid_generation(self) -> int:
         """Refits so far that landed while a generate call was under way (in-flight weight updates)."""
-        import ray
-
         return sum(ray.get([w.refits_mid_generation.remote() for w in self.workers()]))
 
     def shutdown(self) -> None:
         """Free the engine's actors; safe twice."""
-        import ray
-
         if self.actor is not None:
             ray.kill(self.actor)
             self.actor = None

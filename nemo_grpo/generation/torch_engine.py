@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
+import ray
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput
 from nemo_grpo.weights.receiver import WeightReceiver
@@ -33,8 +35,6 @@ class TorchGenerationWorker(WeightReceiver):
     Refit: `load_bucket` per bucket, from the driver (colocated) or from a weight-transfer group (WeightReceiver)."""
 
     def __init__(self, model_path: str, cfg, num_threads: int = 1, in_flight_updates: bool = False):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         torch.set_num_threads(num_threads)
         self._init_weight_receiver(in_flight_updates)
         self.cfg = cfg
@@ -114,19 +114,13 @@ class TorchGeneration(GenerationEngine):
     """Driver-side front of one TorchGenerationWorker actor."""
 
     def __init__(self, cfg, model_path: str, cluster_cfg, *, in_flight_updates: bool = False):
-        import ray
-
         self.actor = ray.remote(TorchGenerationWorker).options(
             num_cpus=0, max_concurrency=2 if in_flight_updates else 1).remote(
             model_path, cfg, cluster_cfg.num_threads_per_worker, in_flight_updates)
 
     def generate(self, prompts, *, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
-        import ray
-
         return ray.get(self.actor.generate.remote(prompts, greedy, seed, stop_strings, max_new_tokens))
 
     def update_weights(self, buckets: Iterator[dict[str, torch.Tensor]]) -> None:
-        import ray
-
         pending = [self.actor.load_bucket.remote(bucket) for bucket in buckets]  # streamed, loaded in order
         ray.get(pending)

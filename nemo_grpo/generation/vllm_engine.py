@@ -44,9 +44,13 @@ import itertools
 import logging
 import os
 from collections import deque
+from types import SimpleNamespace
 from typing import Iterator, Optional
 
+import ray
 import torch
+from safetensors import safe_open
+from transformers import AutoConfig
 
 from nemo_grpo.generation import vllm_available
 from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput
@@ -66,6 +70,19 @@ EXPECTED_RELOAD_WARNING = ": Failed to load weights"
 CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when the caller has not set it: plenty for small models
 MAX_MODEL_LEN_CAP = 32768  # max_model_len = min(max_position_embeddings, this) unless given
 BUCKETS_IN_FLIGHT = 2  # refit buckets sent ahead of the one being loaded (bounds object-store use)
+
+
+def _vllm() -> SimpleNamespace:
+    """The vLLM names this module uses, imported on first use (in the engine's actor, after ENGINE_ENV is set)."""
+    # optional: vllm is not installed everywhere (and takes ~10 s to import), so not at the top of the module
+    from vllm import LLM, SamplingParams
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.sampling_params import RequestOutputKind
+
+    return SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams, set_current_vllm_config=set_current_vllm_config,
+                           initialize_layerwise_reload=initialize_layerwise_reload,
+                           finalize_layerwise_reload=finalize_layerwise_reload, RequestOutputKind=RequestOutputKind)
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -94,8 +111,6 @@ def checkpoint_weight_names(model_path: str, tied_embeddings: bool) -> Optional[
     files = glob.glob(os.path.join(model_path, "*.safetensors"))
     if not files:
         return None
-    from safetensors import safe_open
-
     names = set()
     for f in files:
         with safe_open(f, framework="pt") as handle:
@@ -139,9 +154,6 @@ class VllmGenerationWorker(WeightReceiver):
     @staticmethod
     def _build_llm(model_path: str, max_model_len: Optional[int], gpu_memory_utilization: float, seed: int,
                    tensor_parallel_size: int):
-        from transformers import AutoConfig
-        from vllm import LLM
-
         cuda = torch.cuda.is_available()
         if max_model_len is None:
             positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
@@ -149,11 +161,11 @@ class VllmGenerationWorker(WeightReceiver):
         if tensor_parallel_size > 1 and not cuda:
             for key, value in CPU_TP_ENV.items():
                 os.environ.setdefault(key, value)
-        return LLM(model=model_path, dtype="bfloat16" if cuda else "float32", enforce_eager=not cuda,
-                   max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
-                   gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                   distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
-                   enable_sleep_mode=cuda)  # (vLLM's sleep mode needs CUDA's allocator)
+        return _vllm().LLM(model=model_path, dtype="bfloat16" if cuda else "float32", enforce_eager=not cuda,
+                           max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
+                           gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                           distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
+                           enable_sleep_mode=cuda)  # (vLLM's sleep mode needs CUDA's allocator)
 
     def sleep(self) -> None:
         """GPU: level 1, weights to host memory, KV cache freed (no-op on a CPU, or when asleep)."""
@@ -170,8 +182,6 @@ class VllmGenerationWorker(WeightReceiver):
 
     def generate(self, prompts, cfg, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
         """One sample per prompt (token-id lists) -> list[GenerationOutput]; sampling settings from `cfg`."""
-        from vllm import SamplingParams
-
         if self._refit_loaded is not None and self._model_lock is None:  # (in-flight: steps wait for the refit)
             raise RuntimeError("generate called while a refit is open (finish_refit was not called)")
         if not prompts:
@@ -179,8 +189,8 @@ class VllmGenerationWorker(WeightReceiver):
         per_prompt = stop_strings if stop_strings is not None else [None] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"stop_strings has {len(per_prompt)} entries for {len(prompts)} prompts")
-        params = [SamplingParams(**sampling_kwargs(cfg, greedy, max_new_tokens, per_prompt[i]),
-                                 seed=None if seed is None or greedy else request_seed(seed, i))
+        params = [_vllm().SamplingParams(**sampling_kwargs(cfg, greedy, max_new_tokens, per_prompt[i]),
+                                         seed=None if seed is None or greedy else request_seed(seed, i))
                   for i in range(len(prompts))]
         with self._generation():
             if self._model_lock is None:
@@ -192,11 +202,9 @@ class VllmGenerationWorker(WeightReceiver):
     def _generate_in_steps(self, prompts, params) -> list:
         """LLM.generate's loop (same requests, same outputs), one engine step at a time, so that a refit may land
         between two steps; the requests under way keep their KV cache (no recomputation)."""
-        from vllm.sampling_params import RequestOutputKind
-
         engine, ids = self.llm.llm_engine, []
         for prompt, p in zip(prompts, params):
-            p.output_kind = RequestOutputKind.FINAL_ONLY
+            p.output_kind = _vllm().RequestOutputKind.FINAL_ONLY
             ids.append(f"nemo-{next(self._request_ids)}")
             engine.add_request(ids[-1], {"prompt_token_ids": list(prompt)}, p)
         done = {}
@@ -257,30 +265,24 @@ def _worker_of(wrapper):
 
 
 def _begin_reload(wrapper) -> None:
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
+    vllm = _vllm()
     worker = _worker_of(wrapper)
-    with set_current_vllm_config(worker.vllm_config):
-        initialize_layerwise_reload(worker.model_runner.get_model())
+    with vllm.set_current_vllm_config(worker.vllm_config):
+        vllm.initialize_layerwise_reload(worker.model_runner.get_model())
 
 
 def _load_bucket(wrapper, items: list[tuple[str, torch.Tensor]]) -> None:
-    from vllm.config import set_current_vllm_config
-
     worker = _worker_of(wrapper)
-    with set_current_vllm_config(worker.vllm_config):
+    with _vllm().set_current_vllm_config(worker.vllm_config):
         worker.model_runner.get_model().load_weights(iter(items))
 
 
 def _finish_reload(wrapper) -> None:
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
+    vllm = _vllm()
     worker = _worker_of(wrapper)
     runner = worker.model_runner
-    with set_current_vllm_config(worker.vllm_config):
-        finalize_layerwise_reload(runner.get_model(), worker.vllm_config.model_config)
+    with vllm.set_current_vllm_config(worker.vllm_config):
+        vllm.finalize_layerwise_reload(runner.get_model(), worker.vllm_config.model_config)
     for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
         if hasattr(runner, reset):
             getattr(runner, reset)()
@@ -295,8 +297,6 @@ class VllmGeneration(GenerationEngine):
     """
 
     def __init__(self, cfg, model_path: str, cluster_cfg, *, seed: int = 0, in_flight_updates: bool = False):
-        import ray
-
         if not vllm_available():
             raise ImportError("policy.generation.backend 'vllm' needs vLLM installed (pip install vllm)")
         self.cfg = cfg
@@ -311,29 +311,19 @@ class VllmGeneration(GenerationEngine):
         ray.get(self.actor.__ray_ready__.remote())  # surface start-up errors here, not at the first generate
 
     def generate(self, prompts, *, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
-        import ray
-
         return ray.get(self.actor.generate.remote(prompts, self.cfg, greedy, seed, stop_strings, max_new_tokens))
 
     def prepare_for_generation(self) -> None:
-        import ray
-
         ray.get(self.actor.wake_up.remote())
 
     def finish_generation(self) -> None:
-        import ray
-
         ray.get(self.actor.sleep.remote())
 
     def prepare_for_refit(self) -> None:
-        import ray
-
         ray.get(self.actor.wake_up.remote(["weights"]))
 
     def update_weights(self, buckets: Iterator[dict[str, torch.Tensor]]) -> None:
         """Stream buckets into the live engine (at most BUCKETS_IN_FLIGHT ahead); any bucket boundary is fine."""
-        import ray
-
         pending = deque([self.actor.begin_refit.remote()])
         try:
             for bucket in buckets:

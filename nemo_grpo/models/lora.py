@@ -19,7 +19,9 @@ import os
 from typing import Iterator
 
 import torch
+from safetensors.torch import save_file
 
+from nemo_grpo.config import LoraConfig
 from nemo_grpo.errors import require
 
 # the linear layers of attention and MLP in the supported decoders (Llama, Qwen2, Qwen3): the default targets
@@ -58,8 +60,6 @@ def check_resumable(saved_policy: dict, lora_cfg, checkpoint: str) -> None:
     """A checkpoint holds what its run trained (adapters of one rank and set of targets, or every weight):
     resuming it under another policy.lora is a ConfigError naming the key and both values. saved_policy: the
     policy section of the checkpoint's config.yaml."""
-    from nemo_grpo.config import LoraConfig
-
     saved, default = saved_policy.get("lora") or {}, LoraConfig()
     keys = ("enabled", "rank", "target_modules", "exclude_modules") if lora_cfg.enabled and saved.get("enabled") \
         else ("enabled",)
@@ -103,6 +103,7 @@ def peft_key(hf_module: str, which: str) -> str:
 
 def peft_config(lora_cfg, base_model_path: str = None):
     """The peft.LoraConfig of policy.lora (bias none, peft's default init)."""
+    # here, not at the top: peft takes ~5 s to import, and validation imports this module to check a config
     import peft
 
     return peft.LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
@@ -112,8 +113,6 @@ def peft_config(lora_cfg, base_model_path: str = None):
 
 def save_adapter_dir(path: str, state: dict[str, torch.Tensor], lora_cfg, base_model_path: str) -> None:
     """A PEFT adapter directory: adapter_config.json + adapter_model.safetensors (`state`: peft keys)."""
-    from safetensors.torch import save_file
-
     os.makedirs(path, exist_ok=True)
     peft_config(lora_cfg, base_model_path).save_pretrained(path)
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "adapter_model.safetensors"),

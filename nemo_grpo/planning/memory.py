@@ -31,11 +31,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nemo_grpo.distributed.resource_plan import node_list
+from nemo_grpo.distributed.resource_plan import node_list, plan_resources
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.layout import policy_layout
 from nemo_grpo.models.lora import target_modules
 from nemo_grpo.planning import activations as act
+from nemo_grpo.planning.params import decoder_spec, hf_config
 from nemo_grpo.planning.params import (dtensor_rank_params, largest_fsdp_unit, lora_layer_params,
                                        megatron_stage_params, total_params)
 
@@ -316,8 +317,6 @@ def _with_reserve(devices: list[Device]) -> list[Device]:
 # ---------------------------------------------------------------------------------------------- the plan
 def plan_memory(cfg, plan=None) -> MemoryPlan:
     """The per-GPU memory of cfg's roles on cfg.cluster (plan: its resource plan, made here when None)."""
-    from nemo_grpo.distributed.resource_plan import plan_resources
-
     plan = plan or plan_resources(cfg)
     gpu = cfg.cluster.gpu_memory_gib * GIB
     spec = _spec(cfg.policy, "policy", False)
@@ -338,8 +337,6 @@ def plan_memory(cfg, plan=None) -> MemoryPlan:
 def _spec(p, key: str, scalar_head: bool):
     """The ModelSpec of policy-like config p (model, back end, layout); ConfigError naming `key` otherwise.
     Its total size, heads and layers do not depend on the layout (the vLLM rows use it too)."""
-    from nemo_grpo.planning.params import decoder_spec, hf_config
-
     megatron = p.backend == "megatron"
     tp, pp = ((p.megatron_cfg.tensor_model_parallel_size, p.megatron_cfg.pipeline_model_parallel_size)
               if megatron else (1, 1))

@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 import os
 
+from transformers import AutoConfig
+
 from nemo_grpo.config import BUILTIN_MODEL_PREFIX, ConfigError
+from nemo_grpo.models.builtin import builtin_config
 from nemo_grpo.models.spec import HFTensor, ModelSpec, hf_tensors, model_spec, pipeline_stage
 
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -43,11 +46,7 @@ KNOWN_MODELS = {
 def hf_config(model_name: str, key: str):
     """The transformers config of `model_name` (builtin:*, a local directory, or a name KNOWN_MODELS matches).
     key: the config key naming it, for the error."""
-    from transformers import AutoConfig
-
     if model_name.startswith(BUILTIN_MODEL_PREFIX):
-        from nemo_grpo.models.builtin import builtin_config
-
         return builtin_config()
     if os.path.isfile(os.path.join(model_name, "config.json")):
         return AutoConfig.from_pretrained(model_name)

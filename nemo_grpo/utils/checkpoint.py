@@ -35,6 +35,8 @@ import shutil
 import tempfile
 from typing import Any, Optional
 
+import yaml
+
 from nemo_grpo.config import CheckpointingConfig, ConfigError
 from nemo_grpo.errors import UserInputError
 
@@ -254,8 +256,6 @@ class CheckpointManager:
     @staticmethod
     def load_config(path: str) -> dict:
         """The config.yaml the run saved in checkpoint `path` ({} when it saved none)."""
-        import yaml
-
         config_path = os.path.join(path, CONFIG_YAML)
         if not os.path.isfile(config_path):
             return {}

@@ -73,7 +73,7 @@ class _ConsoleHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            from tqdm import tqdm
+            from tqdm import tqdm  # here: the entry points import this module for a config error, tqdm ~60 ms
 
             tqdm.write(self.format(record), file=sys.stderr)
         except Exception:

@@ -22,6 +22,11 @@ import tempfile
 import time
 from typing import Any, Optional
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
 from nemo_grpo.config import ConfigError, LoggerConfig
 
 log = logging.getLogger(__name__)
@@ -77,8 +82,6 @@ class TensorBoardBackend:
     """torch.utils.tensorboard SummaryWriter in <log_dir>/tensorboard; flushed after every call."""
 
     def __init__(self, log_dir: str, run_config: Optional[dict]):
-        from torch.utils.tensorboard import SummaryWriter
-
         self.writer = SummaryWriter(log_dir=os.path.join(log_dir, "tensorboard"))
         if run_config:
             self.writer.add_text("config", "```\n" + json.dumps(run_config, indent=2, default=str) + "\n```", 0)
@@ -164,9 +167,6 @@ def metric_series(records: list[dict], prefix: str, name: str) -> tuple[list[int
 
 def plot_reward_curves(metrics_path: str, png_path: str) -> str:
     """PNG with two panels: train/reward and val/accuracy per step, read from metrics_path."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     records = read_metrics(metrics_path)
     fig = Figure(figsize=(10, 4), dpi=100)
     FigureCanvasAgg(fig)  # attaches the Agg canvas: no pyplot, no display, no global backend switch
@@ -240,8 +240,6 @@ class Logger:
         self._total_steps = total_steps
         self._last_update = time.perf_counter()
         if self.cfg.progress_bar:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total_steps, initial=initial_step, desc="GRPO", unit="step", dynamic_ncols=True)
 
     def update_progress(self, step: int, reward: float, timings: Optional[dict[str, float]] = None) -> None:

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Iterator, Optional
 
+import ray
 import torch
 
 from nemo_grpo.weights import transfer as wt
@@ -94,8 +95,6 @@ class WeightReceiver:
         return str(self._weight_dtype()).removeprefix("torch.")
 
     def node_ip(self) -> str:
-        import ray
-
         return ray.util.get_node_ip_address()
 
     # ------------------------------------------------------------------------------------------ colocated

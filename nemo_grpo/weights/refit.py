@@ -26,6 +26,8 @@ import time
 import uuid
 from typing import Optional
 
+import ray
+
 from nemo_grpo.errors import ConfigError
 
 TRANSFER_TIMEOUT_S = 600.0  # joining the transfer group, and each broadcast, fail after this long
@@ -46,8 +48,6 @@ class SharedMemoryRefitter:
 
     def setup(self) -> None:
         """Plan in the engine's dtype, create the region, map it on the engine's workers, then on the policy."""
-        import ray
-
         workers = self.engine.workers()
         info = self.policy.open_weight_region(self.name, self.bucket_size_mb, engine_dtype(workers))
         hosts = ray.get([w.node_ip.remote() for w in workers])
@@ -61,8 +61,6 @@ class SharedMemoryRefitter:
         self.workers, self.plan, self.trained_from = workers, info["plan"], info["trained_from"]
 
     def refit(self) -> dict[str, float]:
-        import ray
-
         if self.workers is None:
             self.setup()
         start = time.perf_counter()
@@ -87,8 +85,6 @@ class SharedMemoryRefitter:
 
 def close_transfer(refitter) -> None:
     """Forget a refitter's transfer on the policy and the engine's workers, if it was set up."""
-    import ray
-
     if refitter.workers is not None:
         refitter.policy.close_weight_transfer(refitter.name)
         ray.get([w.close_weight_transfer.remote() for w in refitter.workers])
@@ -97,8 +93,6 @@ def close_transfer(refitter) -> None:
 
 def engine_dtype(workers: list) -> str:
     """The dtype every engine worker holds its weights in (they must agree)."""
-    import ray
-
     dtypes = set(ray.get([w.weight_dtype.remote() for w in workers]))
     if len(dtypes) != 1:
         raise RuntimeError(f"refit: the engine's workers hold weights in different dtypes {sorted(dtypes)}")
@@ -120,8 +114,6 @@ class CollectiveRefitter:
 
     def setup(self) -> None:
         """Plan on the policy, check the names on the engine, then everyone joins the group (once)."""
-        import ray
-
         workers = self.engine.workers()
         info = self.policy.open_weight_transfer(self.name, self.bucket_size_mb, engine_dtype(workers),
                                                 self.timeout_s)
@@ -138,8 +130,6 @@ class CollectiveRefitter:
         self.workers, self.backend, self.trained_from = workers, backend, info["trained_from"]
 
     def refit(self) -> dict[str, float]:
-        import ray
-
         if self.workers is None:
             self.setup()
         start = time.perf_counter()
@@ -168,8 +158,6 @@ def _raise_if_a_receiver_died(receives: list, grace_s: float) -> None:
     """A sender's collective fails (gloo: connection reset) as soon as a receiving engine actor dies, often
     before Ray reports the death: wait up to grace_s for the receivers' results and raise a RayActorError
     among them, so the caller sees the dead engine rather than the sender's symptom."""
-    import ray
-
     done, _ = ray.wait(receives, num_returns=len(receives), timeout=grace_s)
     for ref in done:
         try:
@@ -191,7 +179,5 @@ def make_refitter(policy, engine, gen_cfg, *, timeout_s: float = TRANSFER_TIMEOU
     """The refitter of policy.generation.colocated.enabled: SharedMemoryRefitter | CollectiveRefitter."""
     if gen_cfg.colocated.enabled:
         return SharedMemoryRefitter(policy, engine, gen_cfg.refit_bucket_size_mb)
-    import ray
-
     check_generation_resources(gen_cfg, ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0)
     return CollectiveRefitter(policy, engine, gen_cfg.refit_bucket_size_mb, timeout_s)

@@ -24,7 +24,9 @@ import shutil
 import time
 from typing import Any, Optional
 
+import ray
 import torch
+from safetensors.torch import save_file
 
 from nemo_grpo.weights import transfer as wt
 from nemo_grpo.weights.transfer import plan_buckets
@@ -62,8 +64,6 @@ class WeightSender:
     # ------------------------------------------------------------------------------------------ HF directory
     def save_pretrained(self, path: str, shard_size_mb: float = 2048.0) -> None:
         """Collective: a Hugging Face directory (weights as safetensors shards, config and tokenizer files copied)."""
-        from safetensors.torch import save_file
-
         sizes = [(n, b) for n, b in self._export_sizes() if n not in self.tied_aliases]
         plan = plan_buckets(sizes, shard_size_mb * 1024 * 1024)
         files = ["model.safetensors"] if len(plan) == 1 else \
@@ -95,8 +95,6 @@ class WeightSender:
         shared region that holds the whole plan and returns {"host", "path", "plan", "trained_from"} (plan: lists
         of TensorSpec; buckets from index trained_from on hold what a train step can change, those before it
         what it cannot: refits after the first send only the former); None on other ranks."""
-        import ray
-
         specs, sizes, limit = {s.name: s for s in self._export_specs()}, self._export_sizes(), bucket_size_mb * 2**20
         trained = self._trained_names([n for n, _ in sizes])
         frozen = plan_buckets([(n, b) for n, b in sizes if n not in trained], limit)
@@ -113,8 +111,6 @@ class WeightSender:
     def attach_weight_region(self, name: str, host: str, path: str) -> bool:
         """Collective: the ranks on rank 0's node (`host`) map the region; when all of them could (returned),
         each rank may write its own shards in place (`_write_bucket`), else rank 0 writes the gathered tensors."""
-        import ray
-
         transfer = self._transfers[name]
         plan = transfer["plan"]
         if self.rank != 0 and ray.util.get_node_ip_address() == host:
@@ -169,8 +165,6 @@ class WeightSender:
     def join_weight_transfer(self, name: str, world_size: int, backend: str) -> None:
         """Collective: attach the region; rank 0 joins transfer `name`'s group as its rank 0 (returns once every
         receiver has joined)."""
-        import ray
-
         transfer = self._transfers[name]
         where = [(ray.util.get_node_ip_address(), transfer["region"].path) if self.rank == 0 else None]
         torch.distributed.broadcast_object_list(where, src=0)

@@ -24,7 +24,7 @@ BASE_WEIGHT = ".base_layer.weight"
 def add_adapters(model: torch.nn.Module, lora_cfg, seed: int) -> None:
     """peft's LoRA layers on the targets of policy.lora, in place, A initialised as on Megatron (models/lora.py
     initial_a), B zero; base frozen."""
-    from peft import inject_adapter_in_model
+    from peft import inject_adapter_in_model  # here, not at the top: ~5 s to import, and only LoRA runs need it
 
     inject_adapter_in_model(lora.peft_config(lora_cfg), model, adapter_name=ADAPTER)
     with torch.no_grad():

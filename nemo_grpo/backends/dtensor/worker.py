@@ -13,8 +13,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from nemo_grpo.backends.batching import token_logprobs_from_logits
 from nemo_grpo.backends.dtensor import lora as peft_lora
@@ -40,8 +44,6 @@ class DTensorPolicyWorker(PolicyWorker):
 
     # ------------------------------------------------------------------------------------------ build
     def _build_model(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
         cfg, layout = self.cfg, self.parallel_layout
         tp = layout.tp
         self.dp_size, self.tp_size = layout.dp, tp
@@ -193,8 +195,6 @@ class DTensorPolicyWorker(PolicyWorker):
     # ------------------------------------------------------------------------------------------ checkpoints
     def _dcp_state(self, with_optimizer: bool) -> dict:
         """The state dicts DCP writes / fills in place: sharded model (+ optimizer) tensors under HF names."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
         state = {"model": get_model_state_dict(self.model, options=self._state_options())}
         if with_optimizer:  # (a never-stepped optimizer is not saved: DCP would initialize it with a fake step)
             state["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
@@ -202,16 +202,12 @@ class DTensorPolicyWorker(PolicyWorker):
 
     def _state_options(self):
         """LoRA: checkpoints hold the adapters only (the frozen base comes from policy.model_name)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
         frozen_out = self.cfg.lora.enabled
         return StateDictOptions(ignore_frozen_params=frozen_out, strict=not frozen_out)
 
     def save_checkpoint(self, path: str) -> None:
         """DCP shards of model + optimizer (loadable at another layout), plus a per-rank file with the
         scheduler and RNG states."""
-        import torch.distributed.checkpoint as dcp
-
         os.makedirs(path, exist_ok=True)
         has_optim = bool(self.optimizer.state)
         dcp.save(self._dcp_state(has_optim), checkpoint_id=path)
@@ -220,9 +216,6 @@ class DTensorPolicyWorker(PolicyWorker):
 
     def load_checkpoint(self, path: str) -> None:
         """Restore save_checkpoint's state; from another world size the RNG states are left as they are."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
         extra = self._load_rank_state(path)
         state = self._dcp_state(extra["has_optim"])
         dcp.load(state, checkpoint_id=path)

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
@@ -33,8 +34,6 @@ class SDPAttention(MegatronModule):
             raise ValueError(f"SDPA core attention does not implement {[k for k, v in unsupported.items() if v]}; "
                              f"set policy.megatron_cfg.attention_backend=unfused")
         if pg_collection is None:
-            from megatron.core.process_groups_config import ProcessGroupCollection
-
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         tp = pg_collection.tp.size()
         self.heads = config.num_attention_heads // tp

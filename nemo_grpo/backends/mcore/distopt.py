@@ -15,13 +15,14 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 def megatron_optimizer_config(opt_cfg, precision_bf16: bool, params_dtype: torch.dtype):
     """policy.optimizer (adamw | sgd) -> megatron OptimizerConfig; clipping stays the worker's (clip_grad 0)."""
-    from megatron.core.optimizer import OptimizerConfig
-
     common = dict(lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay, use_distributed_optimizer=True, clip_grad=0.0,
                   bf16=precision_bf16, params_dtype=params_dtype)
     if opt_cfg.name == "adamw":
@@ -38,9 +39,6 @@ class MegatronDistributedOptimizer:
     `inner` is the torch optimizer that steps the fp32 main shards (the worker's scheduler drives its lr)."""
 
     def __init__(self, model: nn.Module, config, ddp_cfg, opt_cfg, bf16: bool):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import get_megatron_optimizer
-
         self.ddp = DistributedDataParallel(
             config=config, module=model,
             ddp_config=DistributedDataParallelConfig(
@@ -114,8 +112,6 @@ class ShardedState:
                     start, end = self.ranges[name]
                     flat[start:end] = part.reshape(-1)
             out[name] = flat.view(p.shape)
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
         tensors = list(out.values())
         joined = _flatten_dense_tensors(tensors)
         dist.all_reduce(joined, group=self.dp_group)

@@ -23,6 +23,9 @@ from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel as tpl
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
 from nemo_grpo.backends.mcore import weights
@@ -67,8 +70,6 @@ class LoraLinear(nn.Module):
         if not (self.training and self.dropout):
             return x
         if self.row_parallel or self.sequence_parallel:
-            from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
             with get_cuda_rng_tracker().fork():
                 return F.dropout(x, self.dropout)
         return F.dropout(x, self.dropout)
@@ -77,8 +78,6 @@ class LoraLinear(nn.Module):
         """u [s(/tp), b, n*r] -> what B multiplies. Column-parallel: replicated (its backward sums the partial
         gradients over TP; SP: all-gathered over the sequence); row-parallel: partial, summed over TP (SP:
         reduce-scattered over the sequence)."""
-        from megatron.core import tensor_parallel as tpl
-
         if self.row_parallel:
             return (tpl.reduce_scatter_to_sequence_parallel_region(u) if self.sequence_parallel
                     else tpl.reduce_from_tensor_model_parallel_region(u))
@@ -178,8 +177,6 @@ class MegatronLora:
     def _add(self, wrapper: LoraLinear, e: Entry, seed: int, config) -> None:
         """lora_A / lora_B of HF projection e on `wrapper`: this rank's shards in the model's dtype and device,
         with Megatron's TP attributes; the one partial over TP under SP tagged `sequence_parallel`."""
-        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
         leaf, module = _leaf(e), e.hf.removesuffix(".weight")
         base = wrapper.base_layer.weight
         for which in ("lora_A", "lora_B"):

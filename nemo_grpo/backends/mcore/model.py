@@ -12,8 +12,17 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                      get_gpt_layer_with_transformer_engine_spec)
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.transformer_config import TransformerConfig
+from safetensors import safe_open
 from torch import nn
 
+from nemo_grpo.backends.mcore.attention import SDPAttention
 from nemo_grpo.models.spec import ModelSpec
 
 
@@ -30,16 +39,12 @@ class ScalarHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None, **kwargs):
         if self.sequence_parallel:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
             hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return hidden_states @ self.weight.t(), None  # [s, b, 1]
 
 
 def transformer_config(spec: ModelSpec, mcfg, dtype: torch.dtype):
     """ModelSpec + policy.megatron_cfg -> megatron TransformerConfig (no dropout, no fusions, per-token loss)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     tp, pp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
         if mcfg.activation_checkpointing else {}
@@ -62,20 +67,12 @@ def transformer_config(spec: ModelSpec, mcfg, dtype: torch.dtype):
 def build_gpt(spec: ModelSpec, config, attention: str = "sdpa") -> nn.Module:
     """The GPTModel chunk of this rank's pipeline stage (scalar head on the last stage when spec.scalar_head).
     attention: the local spec's core attention, sdpa (attention.SDPAttention) or unfused (Megatron's own)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
     post = ps.is_pipeline_last_stage()
     if spec.transformer_engine:  # fused norm + linear kernels; weights.py names the norms accordingly
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     else:
         layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
         if attention == "sdpa":
-            from nemo_grpo.backends.mcore.attention import SDPAttention
-
             layer_spec.submodules.self_attention.submodules.core_attention = SDPAttention
     model = GPTModel(
         config=config,
@@ -121,8 +118,6 @@ def _padding_row_without_lookup_grad(padding_idx: int):
         if output.shape[:2] == is_pad.shape:  # [b, s, h]
             mask = is_pad[..., None]
         else:  # sequence parallel: reduce-scattered to this TP rank's chunk of the sequence, [s / tp, b, h]
-            from megatron.core import parallel_state as ps
-
             chunk, rank = output.shape[0], ps.get_tensor_model_parallel_rank()
             mask = is_pad.t()[rank * chunk : (rank + 1) * chunk, :, None]
         return torch.where(mask, output.detach(), output)
@@ -154,8 +149,6 @@ class RotaryPositions:
 
 def hf_tensor_reader(model_dir: str) -> Callable[[str], torch.Tensor]:
     """name -> tensor from the safetensors files of an HF directory (read lazily; one open handle per file)."""
-    from safetensors import safe_open
-
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -199,8 +192,6 @@ def mark_tensor_parallel(model: nn.Module, split_dims: dict[str, int]) -> None:
     """Set Megatron's TP attributes (`tensor_model_parallel`, `partition_dim`) on the split parameters: Megatron
     sets them only when it initializes weights itself (perform_initialization), and its gradient-norm and
     optimizer code, like ours, tell split parameters from TP-replicated ones by them."""
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
     params = dict(model.named_parameters())
     for name, dim in split_dims.items():
         if not hasattr(params[name], "tensor_model_parallel"):  # (biases get them even without initialization)

@@ -16,6 +16,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from megatron.core.fusions import fused_softmax
+from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.transformer import torch_norm
 
 _APPLIED = False
 
@@ -95,8 +98,6 @@ def apply() -> None:
     if _APPLIED or torch.cuda.is_available():
         return
     _APPLIED = True
-    from megatron.core.tensor_parallel import random as mrandom
-
     cpu = torch.device("cpu")
     # ~175 sites `device=torch.cuda.current_device()` (attention buffers, TP all-gather outputs, p2p receive buffers)
     torch.cuda.current_device = lambda: cpu
@@ -110,8 +111,6 @@ def apply() -> None:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     # FusedScaleMaskSoftmax's causal mask (`get_default_causal_mask`, device="cuda"): the device mode does not
     # reach the forward that activation recomputation re-runs inside the backward pass
-    from megatron.core.fusions import fused_softmax
-
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
 
 
@@ -120,8 +119,6 @@ def allow_sequence_parallel_norm() -> None:
     spec): build the torch norm anyway and tag its parameters `sequence_parallel=True`; the worker all-reduces
     the gradients of tagged parameters over the TP group (as TE norms get). Idempotent; also needed on GPU
     without Transformer Engine."""
-    from megatron.core.transformer import torch_norm
-
     if getattr(torch_norm.WrappedTorchNorm, "_nemo_grpo_sp", False):
         return
     original_new = torch_norm.WrappedTorchNorm.__new__

@@ -30,7 +30,14 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from transformers import AutoConfig
 
+from nemo_grpo.backends.mcore import model as mmodel
 from nemo_grpo.backends.mcore import shim, weights
 from nemo_grpo.backends.mcore.distopt import MegatronDistributedOptimizer, ShardedState
 from nemo_grpo.backends.mcore.lora import MegatronLora, parameters_by_name
@@ -47,12 +54,6 @@ class MegatronPolicyWorker(PolicyWorker):
 
     # ------------------------------------------------------------------------------------------ build
     def _build_model(self) -> None:
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-        from transformers import AutoConfig
-
-        from nemo_grpo.backends.mcore import model as mmodel
-
         m = self.cfg.megatron_cfg
         tp, pp = self.parallel_layout.tp, self.parallel_layout.pp
         shim.apply()
@@ -111,8 +112,6 @@ class MegatronPolicyWorker(PolicyWorker):
         m = self.cfg.megatron_cfg
         if not m.use_distributed_optimizer:
             return super()._make_optimizer(list(self.main.values()))
-        from megatron.core import parallel_state as ps
-
         with shim.device_context():
             self.dist_opt = MegatronDistributedOptimizer(self.model, self.mconfig, m.distributed_data_parallel_config,
                                                          self.cfg.optimizer, self.cfg.precision == "bfloat16")
@@ -171,8 +170,6 @@ class MegatronPolicyWorker(PolicyWorker):
         [r, s]. on_output(mb, inputs, output) runs on the last stage with the model output ([r, s, V/tp] logits
         or [r, s, 1] scores) and returns the scalar to backpropagate when training (else None). Packed rows pass
         their block-diagonal mask (True = masked, Megatron's convention) and per-sequence RoPE positions."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         def step(data_iterator, model):
             mb, inputs = next(data_iterator)
             ids = inputs.input_ids  # [r, s]
@@ -199,8 +196,6 @@ class MegatronPolicyWorker(PolicyWorker):
 
         Vocab-parallel: `vocab_parallel_cross_entropy` reduces max / sum-exp over the TP group and overwrites
         its input, so it gets a fresh tensor (the temperature division); padded vocabulary columns are -inf."""
-        from megatron.core import tensor_parallel
-
         scaled = logits[:, :-1].float() / self.cfg.generation.temperature  # [r, s-1, V_pad/tp], a new tensor
         if self.spec.padded_vocab > self.spec.vocab:
             width = scaled.shape[-1]
@@ -272,8 +267,6 @@ class MegatronPolicyWorker(PolicyWorker):
     def _finish_gradients(self) -> None:
         """TP sum of partial grads of replicated params, tied-embedding sum over PP, then the DP sum (the
         distributed optimizer: DDP's reduce-scatter, then this shard's gradients into the main shards)."""
-        from megatron.core import parallel_state as ps
-
         if self.dist_opt is not None:
             with shim.device_context():
                 return self.dist_opt.reduce_gradients(before=self._model_parallel_grad_sums)
@@ -284,8 +277,6 @@ class MegatronPolicyWorker(PolicyWorker):
     def _model_parallel_grad_sums(self) -> None:
         """TP sum of the partial gradients of replicated parameters; the tied embedding's sum over its stages
         (trainable parameters only)."""
-        from megatron.core import parallel_state as ps
-
         if self.tp_size > 1:
             names = [n for n in self.main if any(k in n for k in REPLICATED_PARTIAL)
                      or getattr(self.params[n], "sequence_parallel", False)]
@@ -297,8 +288,6 @@ class MegatronPolicyWorker(PolicyWorker):
     def _grad_norm(self) -> float:
         """Global L2 norm over the model-parallel group (DP ranks hold the same summed grads), each element
         counted once: TP-replicated parameters only on TP rank 0, the last stage's tied embedding copy not."""
-        from megatron.core import parallel_state as ps
-
         if self.dist_opt is not None:
             with shim.device_context():
                 return self.dist_opt.grad_norm()
@@ -332,8 +321,6 @@ class MegatronPolicyWorker(PolicyWorker):
         from per-Megatron-parameter local tensors `local` (weights or optimizer moments shaped like them);
         meaningful on rank 0. The owning stage's DP-rank-0 TP group all-gathers, its TP rank 0 maps and sends to
         rank 0 when it is not rank 0 itself."""
-        from megatron.core import parallel_state as ps
-
         out, gathered = {}, {}
         for name in names:
             e = (table or self.entries)[name]
@@ -399,8 +386,6 @@ class MegatronPolicyWorker(PolicyWorker):
     def save_checkpoint(self, path: str) -> None:
         """DCP of HF-named full tensors: model/<name>, optim/<moment>/<name> (written from rank 0), plus a per-rank
         file with the scalar optimizer state, scheduler and RNG states. Loadable at any layout."""
-        import torch.distributed.checkpoint as dcp
-
         os.makedirs(path, exist_ok=True)
         table = self._checkpoint_table()
         state = {f"model/{k}": v for k, v in self._gather_hf(list(table), self._main_weights(), table).items()}
@@ -415,8 +400,6 @@ class MegatronPolicyWorker(PolicyWorker):
     def load_checkpoint(self, path: str) -> None:
         """Every rank reads the full tensors and keeps its shards (another layout is fine); RNG states only
         when the checkpoint has this rank's file."""
-        import torch.distributed.checkpoint as dcp
-
         extra = self._load_rank_state(path)
         table = self._checkpoint_table()
         names = [n for n in table if n not in self.tied_aliases]
@@ -455,8 +438,6 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
     """Sum `tensors` over `group` in one collective (flattened, then copied back in place)."""
     if not tensors:
         return
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     flat = _flatten_dense_tensors(tensors)
     dist.all_reduce(flat, group=group)
     for t, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
