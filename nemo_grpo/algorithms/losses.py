@@ -30,8 +30,8 @@ import torch
 
 from nemo_grpo.algorithms.kl import KL_TYPES, kl_penalty_per_token, score_weight
 from nemo_grpo.algorithms.masked import Number, masked_mean, masked_sum, safe_div  # noqa: F401 (masked_mean: API)
-from nemo_grpo.algorithms.objectives import (AGGREGATIONS, NEEDS_LOWER_BOUND, TRUNCATIONS, aggregate_loss,
-                                             aggregation_of, objective_of, truncate_is_weights)
+from nemo_grpo.algorithms.objectives import (AGGREGATIONS, NEEDS_LOWER_BOUND, TRUNCATIONS, Objective,
+                                             aggregate_loss, aggregation_of, objective_of, truncate_is_weights)
 from nemo_grpo.config import LossConfig
 from nemo_grpo.errors import ConfigError, require, require_choice
 from nemo_grpo.utils.registry import registrar
@@ -53,8 +53,9 @@ def make_loss(name: str, cfg: LossConfig, max_sequence_length: Optional[int] = N
 
 
 # ----------------------------------------------------------------------------------------------- config checks
-def check_loss_config(c: LossConfig) -> None:
-    """Reject, naming the key, a loss_fn value or combination that makes no sense (ConfigError)."""
+def check_loss_config(c: LossConfig) -> Objective:
+    """Reject, naming the key, a loss_fn value or combination that makes no sense (ConfigError); returns the
+    objective the config names."""
     key = "loss_fn."
     require_choice(c.reference_policy_kl_type, key + "reference_policy_kl_type", KL_TYPES)
     require(c.reference_policy_kl_penalty >= 0, key + "reference_policy_kl_penalty", "must be >= 0")
@@ -72,6 +73,7 @@ def check_loss_config(c: LossConfig) -> None:
     if objective.check is not None:
         objective.check(c, aggregation_of(c), objective_key)
     _check_truncated_is(c, objective.sequence_level)
+    return objective
 
 
 def _check_truncated_is(c: LossConfig, sequence_level: bool) -> None:
@@ -124,8 +126,7 @@ class ClippedPGLoss:
     max_sequence_length: Optional[int] = None  # Dr.GRPO's normalizer (policy.max_total_sequence_length)
 
     def __post_init__(self) -> None:
-        check_loss_config(self.cfg)
-        self.objective, _ = objective_of(self.cfg)
+        self.objective = check_loss_config(self.cfg)
         self.aggregation = aggregation_of(self.cfg)
 
     def __call__(self, logprobs: torch.Tensor, mb: dict[str, torch.Tensor], global_valid_seqs: Number,
