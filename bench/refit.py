@@ -23,6 +23,7 @@ import tempfile
 import torch
 from timing import median_seconds  # bench/timing.py
 
+MODES = ("colocated", "non-colocated")
 SHAPES = {"tiny": {}, "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                              "num_attention_heads": 32, "num_key_value_heads": 8}}
 
@@ -45,29 +46,36 @@ def memcpy_seconds(nbytes: int, repeats: int) -> tuple[float, float]:
     return copy, median_seconds(src.clone, repeats)
 
 
-def refit_seconds(name: str, path: str, engines: list[str], bucket_mb: float, repeats: int) -> dict:
-    """{engine: {mode: median seconds, mode + " first": seconds}, "bytes": refit bytes} for one model."""
+def refit_seconds(name: str, path: str, engines: list[str], args) -> dict:
+    """{engine: {mode: median seconds, mode + " first": seconds}, "bytes": refit bytes} for one model; a mode
+    that fails (e.g. non-colocated on a GPU machine without devices for generation) is None, its error printed."""
     from nemo_grpo.config import ClusterConfig, ColocatedConfig, PolicyConfig
     from nemo_grpo.generation import make_generation_engine
     from nemo_grpo.policy import Policy
     from nemo_grpo.weights.refit import make_refitter
 
-    cluster = ClusterConfig(gpus_per_node=2, num_nodes=1, num_threads_per_worker=1)
+    cluster = ClusterConfig(gpus_per_node=args.world_size, num_nodes=1, num_threads_per_worker=1)
     cfg = PolicyConfig(model_name=path)
-    cfg.generation.refit_bucket_size_mb = bucket_mb
+    cfg.generation.refit_bucket_size_mb = args.bucket_mb
     out: dict = {}
     with Policy(cfg, cluster, path) as policy:
+        out["devices"] = policy.devices
         for kind in engines:
             gen_cfg = dataclasses.replace(cfg.generation, backend=kind)
             engine, times = make_generation_engine(gen_cfg, path, cluster), {}
             try:
-                for mode, colocated in (("colocated", True), ("non-colocated", False)):
-                    refitter = make_refitter(policy, engine, dataclasses.replace(
-                        gen_cfg, colocated=ColocatedConfig(enabled=colocated)))
-                    first = refitter.refit()  # maps the region / sets up the group
-                    out["bytes"], times[f"{mode} first"] = first["bytes"], first["seconds"]
-                    times[mode] = median_seconds(refitter.refit, repeats)
-                    refitter.close()  # its region's memory, before the next mode's
+                for mode in MODES:
+                    times[mode] = None
+                    try:
+                        refitter = make_refitter(policy, engine, dataclasses.replace(
+                            gen_cfg, colocated=ColocatedConfig(enabled=mode == "colocated")))
+                        first = refitter.refit()  # maps the region / sets up the group
+                        out["bytes"], times[f"{mode} first"] = first["bytes"], first["seconds"]
+                        times[mode] = median_seconds(refitter.refit, args.repeats)
+                        refitter.close()  # its region's memory, before the next mode's
+                    except Exception as err:  # noqa: BLE001 -- a bench row, not a program: report and go on
+                        print(f"{name}, {kind} engine: {mode} refit failed: {type(err).__name__}: {err}", flush=True)
+                        continue
                     print(f"{name}, {kind} engine: {mode} refit {times[mode]:.3f} s (first {first['seconds']:.3f} s)",
                           flush=True)
             finally:
@@ -83,6 +91,8 @@ def main() -> None:
                     help="default: both where vLLM is installed, else torch")
     ap.add_argument("--bucket-mb", type=float, default=256.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--world-size", type=int, default=2,
+                    help="policy ranks (DTensor data parallel); on a GPU machine one per GPU, e.g. 1 on one GPU")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from nemo_grpo.distributed.cluster import init_ray
@@ -93,17 +103,17 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.models:
-            result = refit_seconds(name, model_path(name, workdir), engines, args.bucket_mb, args.repeats)
+            result = refit_seconds(name, model_path(name, workdir), engines, args)
             copy, clone = memcpy_seconds(int(result["bytes"]), args.repeats)
             rows += [(name, kind, result["bytes"], result[kind], copy, clone) for kind in engines]
-    print(f"\npolicy DTensor dp=2; buckets of {args.bucket_mb:g} MB; median of {args.repeats} refits; GiB/s of the "
+    print(f"\npolicy DTensor dp={args.world_size} on {result['devices']}; buckets of {args.bucket_mb:g} MB; median of {args.repeats} refits; GiB/s of the "
           "refit's bytes; vs memcpy = memcpy seconds / refit seconds")
     print("| model | engine | MiB | memcpy s (GiB/s) | clone s | colocated s (GiB/s) | vs memcpy | "
           "non-colocated s (GiB/s) | vs memcpy |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, kind, nbytes, r, copy, clone in rows:
         gib = nbytes / 2**30
-        cells = [f"{r[m]:.3f} ({gib / r[m]:.2f}) | {copy / r[m]:.2f}" for m in ("colocated", "non-colocated")]
+        cells = [f"{r[m]:.3f} ({gib / r[m]:.2f}) | {copy / r[m]:.2f}" if r[m] else "failed | -" for m in MODES]
         print(f"| {name} | {kind} | {nbytes / 2**20:.0f} | {copy:.3f} ({gib / copy:.2f}) | {clone:.3f} | "
               f"{cells[0]} | {cells[1]} |")
 
