@@ -106,8 +106,8 @@ def main() -> None:
             result = refit_seconds(name, model_path(name, workdir), engines, args)
             copy, clone = memcpy_seconds(int(result["bytes"]), args.repeats)
             rows += [(name, kind, result["bytes"], result[kind], copy, clone) for kind in engines]
-    print(f"\npolicy DTensor dp={args.world_size} on {result['devices']}; buckets of {args.bucket_mb:g} MB; median of {args.repeats} refits; GiB/s of the "
-          "refit's bytes; vs memcpy = memcpy seconds / refit seconds")
+    print(f"\npolicy DTensor dp={args.world_size} on {result['devices']}; buckets of {args.bucket_mb:g} MB; median of "
+          f"{args.repeats} refits; GiB/s of the refit's bytes; vs memcpy = memcpy seconds / refit seconds")
     print("| model | engine | MiB | memcpy s (GiB/s) | clone s | colocated s (GiB/s) | vs memcpy | "
           "non-colocated s (GiB/s) | vs memcpy |")
     print("|---|---|---|---|---|---|---|---|---|")
