@@ -18,14 +18,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import ray
 import torch
 
 from nemo_grpo.backends import worker_class
-from nemo_grpo.backends.batching import (PACKING_ALGORITHMS, batch_size_of, equalize_group_counts, slice_batch,
-                                       split_sizes, token_budget_groups)
+from nemo_grpo.backends.batching import (PACKING_ALGORITHMS, batch_size_of, equalize_group_counts, loss_mask,
+                                         split_sizes, take_rows, token_budget_groups)
 from nemo_grpo.distributed.worker_group import WorkerGroup
 from nemo_grpo.layout import policy_layout
 
@@ -41,12 +42,51 @@ def _check_keys(batch: dict[str, Any], keys, what: str) -> None:
         raise KeyError(f"{what}: the batch lacks {missing} (has {sorted(batch)})")
 
 
-def _pad_rows(shard: dict[str, Any], rows: int, filler: dict[str, Any]) -> dict[str, Any]:
-    """Append copies of `filler`'s first row until the shard has `rows` rows (results of those are dropped)."""
-    n = batch_size_of(shard)
-    if n == rows:
-        return shard
-    return {k: torch.cat([shard[k]] + [filler[k][:1]] * (rows - n)) for k in shard}
+@dataclass
+class ShippedRows:
+    """A batch's rows in Ray's object store, split over the data-parallel ranks once: `get_logprobs`,
+    `get_reference_logprobs`, `score` and `train` take it in place of the batch dict, so a GRPO step ships its
+    rows once for its three calls (`Policy.ship`).
+
+    batch: the driver's dict of the rows (the same tensors, not copies), B rows.
+    refs: per DP rank, the ObjectRef of its rows {key: [r, ...]}.
+    order: per DP rank, the batch row of each of its rows, [r] long; -1 marks a padding row (a copy of row 0
+        that evens out the ranks' forwards; its result is dropped).
+    train_layout: rank d holds, for each global batch g in turn, rows [g gbs + d gbs/dp, g gbs + (d+1) gbs/dp)
+        (what `train` needs); False when B is no multiple of policy.train_global_batch_size (forward only).
+    """
+
+    batch: dict[str, Any]
+    refs: list
+    order: list[torch.Tensor]
+    train_layout: bool
+
+    @property
+    def lengths(self) -> list[list[int]]:
+        """Per DP rank: input_lengths of its rows (the micro-batch plans)."""
+        return [self.batch["input_lengths"][o.clamp(min=0)].tolist() for o in self.order]
+
+    def gather(self, per_dp: list[torch.Tensor]) -> torch.Tensor:
+        """Per DP rank its results [r, ...] -> the batch's [B, ...] in batch order (padding rows dropped)."""
+        out = per_dp[0].new_empty((batch_size_of(self.batch), *per_dp[0].shape[1:]))
+        for rows, result in zip(self.order, per_dp):
+            keep = rows >= 0
+            out[rows[keep]] = result[keep]
+        return out
+
+
+def dp_row_order(n: int, dp: int, global_batch: int) -> tuple[list[torch.Tensor], bool]:
+    """Which batch rows each of `dp` ranks holds (ShippedRows.order) and whether that is train's layout: each
+    global batch cut into dp equal contiguous parts when global_batch divides n and dp divides global_batch;
+    else n rows in dp contiguous parts as even as possible, the short ones padded with -1."""
+    if n % global_batch == 0 and global_batch % dp == 0:
+        k = global_batch // dp
+        return [torch.cat([torch.arange(g + d * k, g + (d + 1) * k) for g in range(0, n, global_batch)])
+                for d in range(dp)], True
+    sizes = split_sizes(n, dp)
+    starts = [sum(sizes[:d]) for d in range(dp)]
+    return [torch.cat([torch.arange(s, s + k), torch.full((max(sizes) - k,), -1)])
+            for s, k in zip(starts, sizes)], False
 
 
 class Policy:
@@ -79,24 +119,28 @@ class Policy:
                  cfg.backend, ", ".join(sorted(set(self.devices))), self.dist_backend, self.startup_s)
 
     # ------------------------------------------------------------------------------------------ dispatch
-    def _per_rank(self, shards: list[Any], *extra_per_dp: list[Any]) -> list[tuple]:
-        """One object-store copy per DP shard; every rank of a DP group gets the same reference (and the same
-        entry of each `extra_per_dp` list)."""
-        refs = [ray.put(s) for s in shards]
-        return [(refs[d], *(extra[d] for extra in extra_per_dp)) for d in self._dp_rank_of]
+    def ship(self, batch: dict[str, Any]) -> ShippedRows:
+        """Put the batch's rows (every per-row entry) in the object store, one object per DP shard, in train's
+        layout where B allows it; the calls that take the result send only references."""
+        n = batch_size_of(batch)
+        if n == 0:
+            raise ValueError(f"{self.name}: empty batch")
+        order, train_layout = dp_row_order(n, self.dp_size, self.cfg.train_global_batch_size)
+        refs = [ray.put(take_rows(batch, rows.clamp(min=0).tolist())) for rows in order]
+        return ShippedRows(batch, refs, order, train_layout)
 
-    def _micro_batch_plan(self, shards: list[dict[str, Any]], kind: str) -> Optional[list]:
-        """Per DP shard, its rows grouped into micro-batches under a token budget (`kind`: "train" or
-        "logprob"), with the same number of groups on every shard: packed into bins (policy.sequence_packing;
-        each bin runs as one packed row) or cut by length (policy.dynamic_batching). None when both are off."""
+    def _micro_batch_plan(self, lengths: list[list[int]], kind: str) -> Optional[list]:
+        """Per DP shard (its rows' input_lengths), its rows grouped into micro-batches under a token budget
+        (`kind`: "train" or "logprob"), with the same number of groups on every shard: packed into bins
+        (policy.sequence_packing; each bin runs as one packed row) or cut by length (policy.dynamic_batching).
+        None when both are off."""
         packing, dynamic = self.cfg.sequence_packing, self.cfg.dynamic_batching
         if packing.enabled:
             budget = getattr(packing, f"{kind}_mb_tokens")
-            groups = [PACKING_ALGORITHMS[packing.algorithm](s["input_lengths"].tolist(), budget) for s in shards]
+            groups = [PACKING_ALGORITHMS[packing.algorithm](rows, budget) for rows in lengths]
         elif dynamic.enabled:
             budget = getattr(dynamic, f"{kind}_mb_tokens")
-            groups = [token_budget_groups(s["input_lengths"].tolist(), budget, dynamic.sequence_length_round)
-                      for s in shards]
+            groups = [token_budget_groups(rows, budget, dynamic.sequence_length_round) for rows in lengths]
         else:
             return None
         return equalize_group_counts(groups)
@@ -106,21 +150,15 @@ class Policy:
         results = ray.get(refs)
         return [results[self._output_rank_of[d]] for d in range(self.dp_size)]
 
-    def _forward(self, method: str, batch: dict[str, Any]) -> torch.Tensor:
-        """Rows split over DP as evenly as possible (short shards padded so all ranks run the same number of
-        forwards); per-row results gathered back in order."""
-        _check_keys(batch, ("input_ids", "input_lengths"), method)
-        inputs = {"input_ids": batch["input_ids"], "input_lengths": batch["input_lengths"]}
-        n = batch_size_of(inputs)
-        if n == 0:
-            raise ValueError(f"{method}: empty batch")
-        sizes = split_sizes(n, self.dp_size)
-        starts = [sum(sizes[:d]) for d in range(self.dp_size)]
-        shards = [_pad_rows(slice_batch(inputs, s, s + k), max(sizes), inputs) for s, k in zip(starts, sizes)]
-        plan = self._micro_batch_plan(shards, "logprob")
-        args = self._per_rank(shards) if plan is None else self._per_rank(shards, plan)
-        outs = self._gather(self.group.run_each(method, args))
-        return torch.cat([out[:k] for out, k in zip(outs, sizes)])
+    def _forward(self, method: str, batch: "dict[str, Any] | ShippedRows") -> torch.Tensor:
+        """Rows split over DP (short shards padded so all ranks run the same number of forwards), each DP group
+        sent the same reference; per-row results gathered back in batch order."""
+        if not isinstance(batch, ShippedRows):
+            _check_keys(batch, ("input_ids", "input_lengths"), method)
+            batch = self.ship({"input_ids": batch["input_ids"], "input_lengths": batch["input_lengths"]})
+        plan = self._micro_batch_plan(batch.lengths, "logprob")
+        args = [(batch.refs[d],) if plan is None else (batch.refs[d], plan[d]) for d in self._dp_rank_of]
+        return batch.gather(self._gather(self.group.run_each(method, args)))
 
     # ------------------------------------------------------------------------------------------ inference
     def _need_lm(self, what: str) -> None:
@@ -145,36 +183,50 @@ class Policy:
         return self._forward("score", batch)
 
     # ------------------------------------------------------------------------------------------ training
-    def train(self, batch: dict[str, Any], loss_fn) -> dict[str, float]:
+    def train(self, batch: "dict[str, Any] | ShippedRows", loss_fn,
+              columns: Optional[dict[str, torch.Tensor]] = None) -> dict[str, float]:
         """One optimizer step per global batch of policy.train_global_batch_size rows (B must be a multiple).
 
-        loss_fn(logprobs [b, T] (scalar head: scores [b]), micro_batch, global_valid_seqs, global_valid_toks)
-        -> (loss, metrics), the normalizers counted over each global batch. Returns the loss-fn metrics (and "loss") summed over
-        micro-batches and DP ranks, averaged over the optimizer steps, plus "grad_norm" (pre-clip), "lr" and
-        "skipped_steps" (steps skipped for a non-finite gradient norm).
+        batch: the rows, or the ShippedRows of them (`ship`); columns: per-row tensors [B, ...] the shipped
+        rows lack (e.g. advantages), sent with this call. loss_fn(logprobs [b, T] (scalar head: scores [b]),
+        micro_batch, global_valid_seqs, global_valid_toks) -> (loss, metrics), the normalizers counted over each
+        global batch. Returns the loss-fn metrics (and "loss") summed over micro-batches and DP ranks, averaged
+        over the optimizer steps, plus "grad_norm" (pre-clip), "lr" and "skipped_steps" (steps skipped for a
+        non-finite gradient norm).
         """
-        _check_keys(batch, TRAIN_KEYS, "train")
-        n, gbs, dp = batch_size_of(batch), self.cfg.train_global_batch_size, self.dp_size
+        rows = batch if isinstance(batch, ShippedRows) else None
+        columns = dict(columns or {})
+        full = {**(rows.batch if rows else batch), **columns}
+        _check_keys(full, TRAIN_KEYS, "train")
+        n, gbs, dp = batch_size_of(full), self.cfg.train_global_batch_size, self.dp_size
         if n == 0 or n % gbs:
             raise ValueError(f"train: batch size {n} is not a positive multiple of "
                              f"policy.train_global_batch_size={gbs}")
         if gbs % dp:
             raise ValueError(f"train: policy.train_global_batch_size={gbs} is not divisible by the "
                              f"data-parallel size {dp}")
-        per_dp: list[list[dict]] = [[] for _ in range(dp)]
-        for start in range(0, n, gbs):
-            gb = slice_batch(batch, start, start + gbs)
-            sample_mask = gb["sample_mask"].float()  # [gbs]
-            gvs = sample_mask.sum()
-            gvt = (gb["token_mask"].float() * sample_mask[:, None]).sum()
-            shards = [slice_batch(gb, d * gbs // dp, (d + 1) * gbs // dp) for d in range(dp)]
-            plan = self._micro_batch_plan(shards, "train")
-            for d in range(dp):
-                step = {"data": shards[d], "global_valid_seqs": gvs, "global_valid_toks": gvt}
-                per_dp[d].append(step if plan is None else {**step, "micro_batches": plan[d]})
-        refs = self.group.run_each("train", self._per_rank(per_dp), loss_fn=ray.put(loss_fn))
+        rows = rows or self.ship(batch)
+        column_refs = [ray.put({k: v[order] for k, v in columns.items()}) if columns else {} for order in rows.order]
+        steps = self._train_steps(full, rows.lengths)
+        refs = self.group.run_each("train", [(rows.refs[d], column_refs[d], steps[d]) for d in self._dp_rank_of],
+                                   loss_fn=ray.put(loss_fn))
         by_rank = ray.get(refs)
         return self._aggregate([by_rank[self._output_rank_of[d]] for d in range(dp)], by_rank[0])
+
+    def _train_steps(self, batch: dict[str, Any], lengths: list[list[int]]) -> list[list[dict[str, Any]]]:
+        """Per DP rank, one entry per global batch: its rows' range within the rank's shard, the global batch's
+        normalizers (valid samples, valid tokens) and, with packing or dynamic batching, its micro-batches."""
+        n, gbs, dp = batch_size_of(batch), self.cfg.train_global_batch_size, self.dp_size
+        k = gbs // dp
+        per_dp: list[list[dict]] = [[] for _ in range(dp)]
+        for g, start in enumerate(range(0, n, gbs)):
+            sample_mask = batch["sample_mask"][start:start + gbs]
+            gvs, gvt = sample_mask.float().sum(), loss_mask(batch["token_mask"][start:start + gbs], sample_mask).sum()
+            plan = self._micro_batch_plan([rows[g * k:(g + 1) * k] for rows in lengths], "train")
+            for d in range(dp):
+                step = {"rows": (g * k, (g + 1) * k), "global_valid_seqs": gvs, "global_valid_toks": gvt}
+                per_dp[d].append(step if plan is None else {**step, "micro_batches": plan[d]})
+        return per_dp
 
     @staticmethod
     def _aggregate(per_dp: list[list[dict]], rank0: list[dict]) -> dict[str, float]:

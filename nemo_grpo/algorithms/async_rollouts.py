@@ -47,6 +47,7 @@ class Rollouts:
     prompts_drawn: int = 0
     weight_version: int = 0  # the engine's weights when they were generated
     timings: dict[str, float] = field(default_factory=dict)  # generation, environment seconds
+    env_metrics: list = field(default_factory=list)  # the environments' answers (ObjectRefs) on these samples
 
 
 class GenerationFailed(RuntimeError):

@@ -25,6 +25,7 @@ from nemo_grpo.algorithms.async_rollouts import GenerationFailed, RolloutCollect
 from nemo_grpo.algorithms.kl import generation_mismatch_metrics, sequence_kl
 from nemo_grpo.algorithms.losses import make_loss
 from nemo_grpo.algorithms.rollout import Sample, collate, run_rollouts
+from nemo_grpo.backends.batching import loss_mask
 from nemo_grpo.config import MasterConfig, to_yaml
 from nemo_grpo.distributed.resource_plan import release
 from nemo_grpo.models import lora
@@ -35,24 +36,20 @@ log = logging.getLogger(__name__)
 
 # what the policy receives of a collated rollout batch (the backends' data contract)
 TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask", "generation_logprobs")
-# what an environment's global_post_process_and_metrics receives of it, per row (EnvironmentInterface)
-ENV_ROW_KEYS = ("rewards", "text", "response_lengths", "prompt_lengths", "truncated")
 
 
-def env_metric_views(batch: dict[str, Any], num_generations_per_prompt: int) -> dict[str, dict[str, Any]]:
-    """task name -> the part of a collated batch that task's environment computes its metrics on: only the rows
-    of that task, in batch order (whole groups: the G samples of a prompt share its task)."""
-    rows: dict[str, list[int]] = defaultdict(list)
-    for i, task in enumerate(batch["task_names"]):
-        rows[task].append(i)
-    views = {}
-    for task, idx in rows.items():
-        index = torch.tensor(idx, dtype=torch.long)
-        view = {k: [batch[k][i] for i in idx] if isinstance(batch[k], list) else batch[k][index]
-                for k in ENV_ROW_KEYS}
-        view["num_generations_per_prompt"] = num_generations_per_prompt
-        views[task] = view
-    return views
+def env_metric_views(samples: list[Sample], num_generations_per_prompt: int) -> dict[str, dict[str, Any]]:
+    """task name -> what that task's environment computes its metrics on (EnvironmentInterface): its own samples
+    only, in order (whole groups: the G samples of a prompt share its task), with their raw rewards."""
+    by_task: dict[str, list[Sample]] = defaultdict(list)
+    for s in samples:
+        by_task[s.datum.task_name].append(s)
+    return {task: {"rewards": torch.tensor([s.reward for s in rows]), "text": [s.text for s in rows],
+                   "response_lengths": torch.tensor([s.response_length for s in rows]),
+                   "prompt_lengths": torch.tensor([len(s.datum.prompt_ids) for s in rows]),
+                   "truncated": torch.tensor([s.truncated for s in rows]),
+                   "num_generations_per_prompt": num_generations_per_prompt}
+            for task, rows in by_task.items()}
 
 
 def format_samples(samples: list[Sample], n: int) -> str:
@@ -190,7 +187,7 @@ class GRPOTrainer:
         stats = {"reward": sum(raw_rewards) / len(raw_rewards), "gen_batches": float(batches),
                  "fraction_groups_kept": len(kept) / len(raw_rewards)}
         return Rollouts(kept, rewards, components, stats, loader_state=self.loader.state_dict(), prompts_drawn=drawn,
-                        timings=timer.get_timing_metrics())
+                        timings=timer.get_timing_metrics(), env_metrics=self._request_env_metrics(kept))
 
     def _seed(self, step: int, batch: int) -> int:
         return (self.cfg.grpo.seed * 1_000_003 + step * 101 + batch) % (2**31)
@@ -202,11 +199,12 @@ class GRPOTrainer:
         batch["sample_mask"] = 1.0 - truncated if self.cfg.grpo.overlong_filtering else torch.ones(len(samples))
         return batch
 
-    def _advantages(self, data: dict, rewards: torch.Tensor, components: dict) -> tuple[torch.Tensor, dict]:
-        """Per-token advantages [N, T] by grpo.adv_estimator; with loss_fn.use_kl_in_reward, each reward first
-        loses beta x its sequence's KL(pi_old || pi_ref) estimate. Also the metrics of that."""
+    def _advantages(self, data: dict, mask: torch.Tensor, rewards: torch.Tensor, components: dict
+                    ) -> tuple[torch.Tensor, dict]:
+        """Per-token advantages [N, T] by grpo.adv_estimator (mask: the loss mask [N, T]); with
+        loss_fn.use_kl_in_reward, each reward first loses beta x its sequence's KL(pi_old || pi_ref) estimate.
+        Also the metrics of that."""
         c, metrics = self.cfg, {}
-        mask = data["token_mask"] * data["sample_mask"][:, None]  # [N, T]
         if c.loss_fn.use_kl_in_reward:
             kl = sequence_kl(data["prev_logprobs"], data["reference_policy_logprobs"], mask,
                              c.loss_fn.reference_policy_kl_type, c.loss_fn.kl_input_clamp_value)  # [N]
@@ -225,21 +223,23 @@ class GRPOTrainer:
             rollouts, async_metrics = self._next_rollouts(step)
             batch = self._train_batch(rollouts.samples)
             data = {k: v for k, v in batch.items() if k in TRAIN_KEYS}
+            mask = loss_mask(data["token_mask"], data["sample_mask"])  # [N, T]
             with self.timer.time("logprobs"):
-                data["prev_logprobs"] = self.policy.get_logprobs(data)
+                rows = self.policy.ship(data)  # the step's rows, once for the three calls
+                computed = {"prev_logprobs": self.policy.get_logprobs(rows)}
                 if cfg.loss_fn.reference_policy_kl_penalty > 0:
-                    data["reference_policy_logprobs"] = self.policy.get_reference_logprobs(data)
-            data["advantages"], adv_metrics = self._advantages(data, rollouts.rewards, rollouts.components)
-            mask = data["token_mask"] * data["sample_mask"][:, None]
-            mismatch = generation_mismatch_metrics(data["prev_logprobs"], data["generation_logprobs"], mask)
+                    computed["reference_policy_logprobs"] = self.policy.get_reference_logprobs(rows)
+            computed["advantages"], adv_metrics = self._advantages({**data, **computed}, mask, rollouts.rewards,
+                                                                   rollouts.components)
+            mismatch = generation_mismatch_metrics(computed["prev_logprobs"], data["generation_logprobs"], mask)
             with self.timer.time("training"):
-                train_metrics = self.policy.train(data, self.loss_fn)
+                train_metrics = self.policy.train(rows, self.loss_fn, columns=computed)
             with self.timer.time("refit"):
                 refit = self._refit_engine(step)
             if self.collector is not None and cfg.grpo.async_grpo.in_flight_weight_updates:
                 async_metrics["async/refits_mid_generation"] = float(self.engine.refits_mid_generation())
         metrics = {**train_metrics, "refit_gib_per_s": refit["bytes"] / max(refit["seconds"], 1e-9) / 2**30,
-                   **mismatch, **rollouts.stats, **adv_metrics, **self._env_metrics(batch), **async_metrics,
+                   **mismatch, **rollouts.stats, **adv_metrics, **self._env_metrics(rollouts), **async_metrics,
                    "mean_response_length": batch["response_lengths"].float().mean().item(),
                    "fraction_truncated": batch["truncated"].float().mean().item()}
         self.state.step = step
@@ -285,12 +285,15 @@ class GRPOTrainer:
             self.collector.weights_updated(step)
         return stats
 
-    def _env_metrics(self, batch: dict) -> dict[str, float]:
-        """Each task's environment reports metrics on the rows of its own task only (env_metric_views)."""
-        views = env_metric_views(batch, self.cfg.grpo.num_generations_per_prompt)
-        results = self._gather([self.task_to_env[task].global_post_process_and_metrics.remote(view)
-                                for task, view in views.items()])
-        return {k: v for _, m in results for k, v in m.items()}
+    def _request_env_metrics(self, samples: list[Sample]) -> list:
+        """Ask each task's environment for its metrics on its own samples (env_metric_views), right after the
+        rollout that visited it; the answers (ObjectRefs) are read when the step's metrics are."""
+        views = env_metric_views(samples, self.cfg.grpo.num_generations_per_prompt)
+        return [self.task_to_env[task].global_post_process_and_metrics.remote(view) for task, view in views.items()]
+
+    def _env_metrics(self, rollouts: Rollouts) -> dict[str, float]:
+        """The environments' metrics on the step's samples, as requested by the rollout."""
+        return {k: v for _, m in self._gather(rollouts.env_metrics) for k, v in m.items()}
 
     @staticmethod
     def _gather(refs: list) -> list:

@@ -32,6 +32,7 @@ from nemo_grpo.algorithms.kl import KL_TYPES, kl_penalty_per_token, score_weight
 from nemo_grpo.algorithms.masked import Number, masked_mean, masked_sum, safe_div  # noqa: F401 (masked_mean: API)
 from nemo_grpo.algorithms.objectives import (AGGREGATIONS, NEEDS_LOWER_BOUND, TRUNCATIONS, Objective,
                                              aggregate_loss, aggregation_of, objective_of, truncate_is_weights)
+from nemo_grpo.backends.batching import loss_mask
 from nemo_grpo.config import LossConfig
 from nemo_grpo.errors import ConfigError, require, require_choice
 from nemo_grpo.utils.registry import registrar
@@ -135,7 +136,7 @@ class ClippedPGLoss:
         dtype = torch.promote_types(logprobs.dtype, torch.float32)
         token_mask = mb["token_mask"].to(dtype)  # [b, T]
         sample_mask = mb["sample_mask"].to(dtype)  # [b]
-        mask = token_mask * sample_mask[:, None]  # [b, T]
+        mask = loss_mask(token_mask, sample_mask).to(dtype)  # [b, T]
 
         def valid(x: torch.Tensor) -> torch.Tensor:  # [b, T], 0 outside trained tokens
             return torch.where(mask != 0, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))

@@ -145,9 +145,8 @@ class _section:
 def collate(samples: list[Sample], pad_id: int) -> dict[str, Any]:
     """Samples -> the training batch dict (right-padded tensors; see backends' data contract).
 
-    input_ids [N, T], input_lengths [N], token_mask [N, T], generation_logprobs [N, T], rewards [N],
-    truncated [N] bool, response_lengths [N], prompt_lengths [N]; plus "text" (N strings: each sample's last
-    reply) and "task_names" (N strings: the task of each sample's prompt, which names its environment).
+    input_ids [N, T], input_lengths [N], token_mask [N, T], generation_logprobs [N, T], truncated [N] bool,
+    response_lengths [N]. (Rewards stay on the samples, raw; the trainer's Rollouts hold them scaled and shaped.)
     """
     n, t = len(samples), max(len(s.token_ids) for s in samples)
     batch = {
@@ -161,10 +160,6 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, Any]:
         batch["token_mask"][i, :k] = torch.tensor(s.token_mask)
         batch["generation_logprobs"][i, :k] = torch.tensor(s.generation_logprobs)
     batch["input_lengths"] = torch.tensor([len(s.token_ids) for s in samples])
-    batch["rewards"] = torch.tensor([s.reward for s in samples])
     batch["truncated"] = torch.tensor([s.truncated for s in samples])
     batch["response_lengths"] = torch.tensor([s.response_length for s in samples])
-    batch["prompt_lengths"] = torch.tensor([len(s.datum.prompt_ids) for s in samples])
-    batch["text"] = [s.text for s in samples]
-    batch["task_names"] = [s.datum.task_name for s in samples]
     return batch

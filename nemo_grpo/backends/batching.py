@@ -28,6 +28,12 @@ def _per_sample(batch: dict[str, Any], rows) -> dict[str, Any]:
     return out
 
 
+def loss_mask(token_mask: torch.Tensor, sample_mask: torch.Tensor) -> torch.Tensor:
+    """token_mask [B, T] x sample_mask [B] -> [B, T] float: the positions a loss and its normalizer count (the
+    generated tokens of the samples not filtered out). The one definition, for the driver and the workers."""
+    return token_mask.float() * sample_mask.float()[:, None]
+
+
 def slice_batch(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
     """Rows [start, stop) of every per-sample entry (tensors and lists with B entries); other values as-is."""
     return _per_sample(batch, lambda value: value[start:stop])

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_grpo.backends import checkpoint_state
-from nemo_grpo.backends.batching import batch_size_of, fixed_size_groups, take_rows
+from nemo_grpo.backends.batching import batch_size_of, fixed_size_groups, slice_batch, take_rows
 from nemo_grpo.backends.model_inputs import ModelInputs, model_inputs
 from nemo_grpo.backends.optimizer import build_optimizer, clip_coefficient, lr_warmup_factor
 from nemo_grpo.distributed.worker_group import init_torch_distributed
@@ -291,16 +291,19 @@ class PolicyWorker(WeightSender, ABC):
                     t.copy_(saved[n])
 
     # ------------------------------------------------------------------------------------------ training
-    def train(self, steps: list[dict[str, Any]], loss_fn) -> list[dict[str, float]]:
-        """One optimizer step per entry {"data": this rank's rows, "global_valid_seqs", "global_valid_toks"} (and
-        "micro_batches": row groups, with dynamic batching).
+    def train(self, rows: dict[str, Any], columns: dict[str, Any], steps: list[dict[str, Any]],
+              loss_fn) -> list[dict[str, float]]:
+        """This rank's rows (the shipped ones) and the call's per-row `columns` (same rows, same order) -> one
+        optimizer step per entry {"rows": (start, stop) of them, "global_valid_seqs", "global_valid_toks"} (and
+        "micro_batches": row groups of those, with dynamic batching or packing).
 
         Returns per step: the loss-fn metrics (and "loss") summed over this rank's micro-batches, plus
         "grad_norm" (global, pre-clip) and "lr" (the rate the step used).
         """
         self.model.train()
-        return [self._train_step(s["data"], loss_fn, s["global_valid_seqs"], s["global_valid_toks"],
-                                 s.get("micro_batches")) for s in steps]
+        data = {**rows, **columns}
+        return [self._train_step(slice_batch(data, *s["rows"]), loss_fn, s["global_valid_seqs"],
+                                 s["global_valid_toks"], s.get("micro_batches")) for s in steps]
 
     def _train_step(self, data: dict[str, Any], loss_fn, global_valid_seqs, global_valid_toks,
                     groups: Optional[list[list[int]]] = None) -> dict[str, float]:

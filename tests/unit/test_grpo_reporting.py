@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from nemo_grpo.algorithms.grpo import GRPOState, GRPOTrainer, env_metric_views, format_samples
-from nemo_grpo.algorithms.rollout import collate, new_sample
+from nemo_grpo.algorithms.async_rollouts import Rollouts
+from nemo_grpo.algorithms.rollout import new_sample
 from nemo_grpo.data.prompts import Datum, PromptLoader
 from nemo_grpo.utils.timer import Timer
 from nemo_grpo.validation import load_config
@@ -26,13 +27,13 @@ def sample(task: str, prompt: str, reply: str, reward: float, idx: int = 0):
     return s
 
 
-def mixed_batch():
+def mixed_samples():
     """Groups of G in the order math, code, math: rows 0-1 math, 2-3 code, 4-5 math."""
     samples = [sample("math", "1+1=", "2", 1.0), sample("math", "1+1=", "3", 0.0),
                sample("code", "code:2 times 3=", "print(6)", 1.0), sample("code", "code:2 times 3=", "print(", 0.0),
                sample("math", "2+2=", "44", 0.0), sample("math", "2+2=", "4", 1.0)]
     samples[3].truncated = True
-    return collate(samples, pad_id=0)
+    return samples
 
 
 class FakeEnv:
@@ -57,13 +58,13 @@ def bare_trainer(**cfg_changes) -> GRPOTrainer:
     trainer.history, trainer.val_history = [], []
     trainer.resumed_at = trainer.last_checkpoint = trainer.plot_path = trainer.collector = None
     trainer._gather = lambda results: results  # FakeEnv's .remote returns the result itself
+    trainer.task_to_env = {"math": FakeEnv("math")}
     return trainer
 
 
 # ----------------------------------------------------------------------------------------------- env metrics
 def test_each_environment_gets_only_the_rows_of_its_task():
-    batch = mixed_batch()
-    views = env_metric_views(batch, G)
+    views = env_metric_views(mixed_samples(), G)
     assert set(views) == {"math", "code"}
     assert views["math"]["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0]  # rows 0, 1, 4, 5: whole groups, in order
     assert views["math"]["text"] == ["2", "3", "44", "4"]
@@ -78,7 +79,8 @@ def test_trainer_env_metrics_do_not_mix_tasks():
     trainer = bare_trainer(grpo={"num_generations_per_prompt": G})
     math, code = FakeEnv("math"), FakeEnv("code")
     trainer.task_to_env = {"math": math, "code": code}
-    metrics = trainer._env_metrics(mixed_batch())
+    rollouts = Rollouts([], None, {}, {}, env_metrics=trainer._request_env_metrics(mixed_samples()))
+    metrics = trainer._env_metrics(rollouts)
     assert [len(v["rewards"]) for v in math.views] == [4] and [len(v["rewards"]) for v in code.views] == [2]
     assert metrics == {"math/num_samples": 4.0, "math/accuracy": 0.5, "code/num_samples": 2.0, "code/accuracy": 0.5}
 
@@ -87,8 +89,9 @@ def test_an_environment_without_rows_this_step_is_not_asked():
     trainer = bare_trainer(grpo={"num_generations_per_prompt": G})
     math, code = FakeEnv("math"), FakeEnv("code")  # validation on code, training on math: code gets no call
     trainer.task_to_env = {"math": math, "code": code}
-    math_only = collate([sample("math", "1+1=", "2", 1.0), sample("math", "1+1=", "5", 0.0)], pad_id=0)
-    assert trainer._env_metrics(math_only) == {"math/num_samples": 2.0, "math/accuracy": 0.5}
+    math_only = [sample("math", "1+1=", "2", 1.0), sample("math", "1+1=", "5", 0.0)]
+    assert trainer._env_metrics(Rollouts([], None, {}, {}, env_metrics=trainer._request_env_metrics(math_only))) == {
+        "math/num_samples": 2.0, "math/accuracy": 0.5}
     assert code.views == []
 
 

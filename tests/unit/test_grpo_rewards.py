@@ -7,6 +7,7 @@ from test_grpo_reporting import bare_trainer, sample
 
 from nemo_grpo.algorithms.advantages import estimate_advantages
 from nemo_grpo.algorithms.kl import sequence_kl
+from nemo_grpo.backends.batching import loss_mask
 from nemo_grpo.config import RewardScalingConfig, RewardShapingConfig
 
 
@@ -30,7 +31,7 @@ def test_kl_in_reward_is_taken_off_before_the_estimator():
             "prev_logprobs": torch.tensor([[0.0, -1, -1], [0, -1, 0]]),
             "reference_policy_logprobs": torch.tensor([[5.0, -2, -3], [5, -1, 9]])}
     rewards = torch.tensor([1.0, 1.0])
-    adv, metrics = trainer._advantages(data, rewards, {})
+    adv, metrics = trainer._advantages(data, loss_mask(data["token_mask"], data["sample_mask"]), rewards, {})
     # k1 summed over the response tokens: sample 0: 1 + 2 = 3; sample 1: 0 -> rewards 1 - 1.5 = -0.5 and 1
     kl = sequence_kl(data["prev_logprobs"], data["reference_policy_logprobs"], data["token_mask"], "k1")
     assert kl.tolist() == [3.0, 0.0] and metrics["kl_in_reward"] == pytest.approx(1.5)
