@@ -88,9 +88,12 @@ def nemo_overrides(engine: str, args, log_dir: str) -> list[str]:
 
 
 def copy_bound(trainer) -> dict[str, float]:
-    """Seconds of an in-memory torch.cat / clone of exactly the tensors a refit sends (exported to the driver)."""
-    bucket_mb = trainer.cfg.policy.generation.refit_bucket_size_mb
-    state = {k: v for bucket in trainer.policy.export_weights(bucket_mb) for k, v in bucket.items()}
+    """Seconds of an in-memory torch.cat / clone of exactly the tensors a refit sends (gathered to the driver)."""
+    from nemo_grpo.weights.refit import Senders
+    from nemo_grpo.weights.sender import WeightSender
+
+    senders = Senders(trainer.policy.group.actors)
+    state = senders.run(WeightSender.gather, [s.name for s in senders.run(WeightSender.specs)[0]])[0]
     return {"cat_s": median_seconds(lambda: torch.cat([v.reshape(-1) for v in state.values()])),
             "clone_s": median_seconds(lambda: [v.clone() for v in state.values()]),
             "bytes": float(sum(t.numel() * t.element_size() for t in state.values()))}

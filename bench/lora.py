@@ -32,6 +32,8 @@ def measure(model: str, lora: bool, args) -> dict:
     from nemo_grpo.config import ClusterConfig, PolicyConfig
     from nemo_grpo.models.builtin import resolve_model_path
     from nemo_grpo.policy import Policy
+    from nemo_grpo.weights.refit import Senders
+    from nemo_grpo.weights.sender import WeightSender
 
     path = resolve_model_path(model)
     cfg = PolicyConfig(model_name=path, backend=args.backend, train_global_batch_size=args.batch,
@@ -43,8 +45,9 @@ def measure(model: str, lora: bool, args) -> dict:
         policy.train(batch, MeanLogprobLoss())
         seconds = median_seconds(lambda: policy.train(batch, MeanLogprobLoss()), args.repeats)
         memory = policy.optimizer_memory()
-        info = policy.open_weight_region("bench", 256.0, "float32")
-        policy.close_weight_transfer("bench")
+        senders = Senders(policy.group.actors)
+        info = senders.run(WeightSender.open_region, "bench", 256.0, "float32")[0]
+        senders.run(WeightSender.close, "bench")
     plan = info["plan"]
     return {**memory, "seconds": seconds, "tok_per_s": args.batch * args.seq_len / seconds,
             "refit_bytes": float(sum(s.nbytes for bucket in plan[info["trained_from"] if lora else 0:]

@@ -6,10 +6,11 @@ Everything model-specific happens in the back end's `PolicyWorker` (nemo_grpo/ba
 `policy.backend`; the data contract is documented in nemo_grpo/backends/batching.py and worker.py.
 
     policy = Policy(cfg.policy, cfg.cluster, model_path, init_reference=True)
-    batch["prev_logprobs"] = policy.get_logprobs(batch)          # [B, T]
-    metrics = policy.train(batch, loss_fn)                        # one optimizer step per global batch
-    engine.update_weights(policy.export_weights(bucket_size_mb))  # HF-named full tensors, bucket by bucket
-    make_refitter(policy, engine, cfg.policy.generation).refit()  # the same, through shared memory or a group (weights/)
+    rows = policy.ship(batch)                                     # the rows into the object store, once
+    batch["prev_logprobs"] = policy.get_logprobs(rows)           # [B, T]
+    metrics = policy.train(rows, loss_fn, columns={"advantages": adv, ...})  # an optimizer step per global batch
+    make_refitter(policy, engine, cfg.policy.generation).refit()  # weights into the engine (weights/refit.py),
+                                                                   # through policy.group: no tensor passes here
     policy.shutdown()
 """
 
@@ -19,7 +20,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import ray
 import torch
@@ -244,51 +245,6 @@ class Policy:
         return out
 
     # ------------------------------------------------------------------------------------------ weights
-    def export_weights(self, bucket_size_mb: float) -> Iterator[dict[str, torch.Tensor]]:
-        """Full, HF-named CPU tensors (names exactly as the HF model's state_dict), in buckets of at most
-        ~bucket_size_mb (>= 1 tensor each). Each bucket is a collective on all ranks; the next one is
-        requested while the caller consumes the current one."""
-        count = self.group.run_all("plan_weight_export", bucket_size_mb)[0]
-        pending = self.group.run_all_async("export_weight_bucket", 0) if count else None
-        for i in range(count):
-            current = pending
-            pending = self.group.run_all_async("export_weight_bucket", i + 1) if i + 1 < count else None
-            yield ray.get(current)[0]
-
-    # weights to a colocated engine through host shared memory (orchestrated by weights/refit.py)
-    def open_weight_region(self, name: str, bucket_size_mb: float, dtype: Optional[str]) -> dict[str, Any]:
-        """Plan transfer `name` (floating tensors in `dtype`) on every rank; rank 0 creates the shared region:
-        its {"host", "path", "plan"}."""
-        return self.group.run_all("open_weight_region", name, bucket_size_mb, dtype)[0]
-
-    def attach_weight_region(self, name: str, host: str, path: str) -> bool:
-        """Every rank on `host` maps the region (after the engine did: the file is removed then); whether all
-        ranks did (then each may write its own shards)."""
-        return self.group.run_all("attach_weight_region", name, host, path)[0]
-
-    def write_weight_bucket_async(self, name: str, index: int) -> list:
-        """ObjectRefs of every rank's write of bucket `index` into the region (rank 0's: its bytes)."""
-        return self.group.run_all_async("write_weight_bucket", name, index)
-
-    def close_weight_transfer(self, name: str) -> None:
-        """Every rank forgets transfer `name` (its shared region, its group)."""
-        self.group.run_all("close_weight_transfer", name)
-
-    # weights to a separate engine over a collective group of their own (orchestrated by weights/refit.py)
-    def open_weight_transfer(self, name: str, bucket_size_mb: float, dtype: Optional[str],
-                             timeout_s: float) -> dict[str, Any]:
-        """Plan transfer `name` on every rank; rank 0's rendezvous {"host", "port", "path", "plan", "device"}."""
-        return self.group.run_all("open_weight_transfer", name, bucket_size_mb, dtype, timeout_s)[0]
-
-    def join_weight_transfer_async(self, name: str, world_size: int, backend: str) -> list:
-        """ObjectRefs; they resolve once every receiver has joined (call the receivers' join meanwhile)."""
-        return self.group.run_all_async("join_weight_transfer", name, world_size, backend)
-
-    def send_weights_async(self, name: str, first: int = 0) -> list:
-        """ObjectRefs of every rank's send (rank 0's: {"bytes", "buckets", "seconds"}); the receivers must
-        receive meanwhile."""
-        return self.group.run_all_async("send_weights", name, first)
-
     def save_pretrained(self, path: str) -> None:
         """A Hugging Face directory (config, safetensors, tokenizer files) that from_pretrained loads."""
         self.group.run_all("save_pretrained", os.path.abspath(path))

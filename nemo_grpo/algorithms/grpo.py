@@ -302,9 +302,8 @@ class GRPOTrainer:
 
     def refit(self) -> dict[str, float]:
         """Policy weights -> generation engine, in place, bucket by bucket (through host shared memory when
-        colocated, else over a collective group): {"seconds", "bytes", "buckets"}. A sleeping engine gets
-        its weights' memory back first."""
-        self.engine.prepare_for_refit()
+        colocated, else over a collective group): {"seconds", "bytes", "buckets"}. The refitter first gives a
+        sleeping engine its weights' memory back."""
         return self.refitter.refit()
 
     # ------------------------------------------------------------------------------------------ validation

@@ -11,8 +11,9 @@ Loss: `loss, metrics = loss_fn(logprobs [b, T], mb, global_valid_seqs, global_va
 
 A back end subclasses PolicyWorker and supplies only what differs: building and parallelizing the model
 (`_build_model`), the forward pass to log-probs / scores, gradient finishing, the global gradient norm and the
-local gradients, the local weight tensors, the full-weight export (`_export_specs`, `_export_tensors`, whose
-consumers are nemo_grpo/weights/sender.py's) and the checkpoint format. The optimizer, its schedule and the
+local gradients, the local weight tensors, the full-weight export (`weight_specs`, `gather_weights`, optionally
+`write_weight_bucket`: the WeightSource of nemo_grpo/weights/protocols.py, which the worker's `weight_sender`
+drives) and the checkpoint format. The optimizer, its schedule and the
 clipping rule are nemo_grpo/backends/optimizer.py's; per-rank checkpoint state is checkpoint_state.py's.
 """
 
@@ -32,7 +33,7 @@ from nemo_grpo.backends.optimizer import build_optimizer, clip_coefficient, lr_w
 from nemo_grpo.distributed.worker_group import init_torch_distributed
 from nemo_grpo.layout import ParallelLayout, policy_layout
 from nemo_grpo.models import lora
-from nemo_grpo.weights.sender import WeightSender
+from nemo_grpo.weights.sender import WeightSender, write_gathered
 from nemo_grpo.weights.transfer import TensorSpec
 
 
@@ -56,13 +57,16 @@ def accumulate(totals: dict[str, float], metrics: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the worker
-class PolicyWorker(WeightSender, ABC):
-    """One rank of a policy (a Ray actor started by WorkerGroup; the process group exists before the model).
+class PolicyWorker(ABC):
+    """One rank of a policy (a Ray actor started by WorkerGroup; the process group exists before the model), and
+    a WeightSource (weights/protocols.py) whose `weight_sender` the refitters drive.
 
     self.parallel_layout is the validated (dp, tp, pp, cp) layout. Subclasses set in `_build_model`:
     self.model, self.dp_rank, self.dp_size, self.output_rank (this rank returns the results of its data-parallel
     group) and, for tied weights, self.tied_aliases.
     """
+
+    tied_aliases: frozenset = frozenset()  # state_dict names aliasing an earlier one (HF drops them when saving)
 
     def __init__(self, cfg, model_path: str, *, scalar_head: bool = False, init_reference: bool = False,
                  seed: int = 0):
@@ -80,7 +84,7 @@ class PolicyWorker(WeightSender, ABC):
             self.reference = {}
         elif init_reference:  # the initial weights: a CPU copy of this rank's local shards
             self.reference = {n: t.detach().to("cpu", copy=True) for n, t in self._local_weights().items()}
-        self._init_weight_sender()
+        self.weight_sender = WeightSender(self)
 
     # ------------------------------------------------------------------------------------------ back end
     @abstractmethod
@@ -108,18 +112,30 @@ class PolicyWorker(WeightSender, ABC):
     def _local_weights(self) -> dict[str, torch.Tensor]:
         """name -> this rank's local tensor aliasing the live parameter (for reference swaps)."""
 
+    # WeightSource (weights/protocols.py)
     @abstractmethod
-    def _export_specs(self) -> list[TensorSpec]:
+    def weight_specs(self) -> list[TensorSpec]:
         """(HF name, full shape, dtype) of every tensor of the HF state_dict, in order; same on all ranks."""
 
     @abstractmethod
-    def _export_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+    def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Collective: full CPU tensors for `names` (meaningful on rank 0)."""
 
-    def _trained_names(self, names: list[str]) -> set[str]:
+    def trained_weight_names(self, names: list[str]) -> set[str]:
+        """All of `names`; LoRA: the engine's layers under adapters."""
         if not self.cfg.lora.enabled:
             return set(names)
         return lora.trained_names(names, lora.target_modules(self.cfg.lora))
+
+    def write_weight_bucket(self, bucket: list[TensorSpec], views: Optional[dict[str, torch.Tensor]],
+                            in_place: bool) -> None:
+        """Collective: the bucket into the refit region, gathered on rank 0; a back end whose ranks can each
+        write their own shards overrides it for `in_place`."""
+        write_gathered(self, bucket, views)
+
+    def save_pretrained(self, path: str) -> None:
+        """Collective: a Hugging Face directory of the current weights (weights/sender.py)."""
+        self.weight_sender.save_pretrained(path, self.model_path, self._hf_config())
 
     def _adapter_state(self) -> dict[str, torch.Tensor]:
         """Collective (LoRA): every adapter as a full CPU tensor under peft's key (models/lora.py), on rank 0."""

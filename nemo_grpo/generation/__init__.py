@@ -1,5 +1,6 @@
 """Generation engines by name (policy.generation.backend), imported only when used, like back ends and
-environments. Each is a GenerationEngine (interface.py) whose worker actors are WeightReceivers.
+environments. Each is a GenerationEngine (interface.py) whose worker actors are WeightSinks
+(weights/protocols.py).
 
     engine = make_generation_engine(cfg.policy.generation, model_path, cfg.cluster)
 """

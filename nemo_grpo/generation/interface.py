@@ -1,13 +1,16 @@
-"""The generation engine contract: token ids in, sampled tokens and their log-probs out, weights refit in place."""
+"""The generation engine contract: token ids in, sampled tokens and their log-probs out, weights refit in place
+(each worker actor is a WeightSink holding a WeightReceiver: weights/protocols.py)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import ray
-import torch
+
+from nemo_grpo.weights.receiver import WeightReceiver
+from nemo_grpo.weights.refit import Receivers
 
 @dataclass
 class GenerationOutput:
@@ -26,10 +29,6 @@ class GenerationEngine(ABC):
         """Sample one response per prompt (token-id lists). `seed` makes the sampling reproducible;
         `stop_strings` (per prompt, or None) adds to the configured ones."""
 
-    @abstractmethod
-    def update_weights(self, buckets: Iterator[dict[str, torch.Tensor]]) -> None:
-        """Load Hugging-Face-named full tensors, bucket by bucket, into the running engine (no restart)."""
-
     actor = None  # the Ray actor of a single-replica engine (set by the engines here)
 
     # colocated memory hand-over (GRPOTrainer._generation_phase); no-ops unless an engine frees device memory
@@ -39,20 +38,16 @@ class GenerationEngine(ABC):
     def finish_generation(self) -> None:
         """After rollouts: give device memory to the colocated policy (keep what a refit needs to restore)."""
 
-    def prepare_for_refit(self) -> None:
-        """Before a refit: take back the memory of the weights, so they can be loaded in place."""
-
     def workers(self) -> list:
-        """The Ray actors holding the engine's model replicas (each a weights.receiver.WeightReceiver): the
-        receivers of a non-colocated refit."""
+        """The Ray actors holding the engine's model replicas, each a WeightSink with a `weight_receiver`
+        (weights/protocols.py): the receiving end of a refit."""
         if self.actor is None:
-            raise NotImplementedError(f"{type(self).__name__} cannot be refit over a collective group "
-                                      "(policy.generation.colocated.enabled=false)")
+            raise NotImplementedError(f"{type(self).__name__} has no worker actors to refit")
         return [self.actor]
 
     def refits_mid_generation(self) -> int:
         """Refits so far that landed while a generate call was under way (in-flight weight updates)."""
-        return sum(ray.get([w.refits_mid_generation.remote() for w in self.workers()]))
+        return sum(Receivers(self.workers()).run(WeightReceiver.refits_mid_generation))
 
     def shutdown(self) -> None:
         """Free the engine's actors; safe twice."""

@@ -7,7 +7,7 @@ was sampled from (temperature-scaled and truncated), which is what the policy's 
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Optional
 
 import ray
 import torch
@@ -30,21 +30,37 @@ def filter_logits(logits: torch.Tensor, top_k: Optional[int], top_p: float) -> t
     return logits
 
 
-class TorchGenerationWorker(WeightReceiver):
+class TorchGenerationWorker:
     """Ray actor holding one HF causal LM (on the CPU); `generate` runs a batched, left-padded sampling loop.
-    Refit: `load_bucket` per bucket, from the driver (colocated) or from a weight-transfer group (WeightReceiver)."""
+    A WeightSink (weights/protocols.py): its `weight_receiver` loads each bucket of a refit in place."""
 
     def __init__(self, model_path: str, cfg, num_threads: int = 1, in_flight_updates: bool = False):
         torch.set_num_threads(num_threads)
-        self._init_weight_receiver(in_flight_updates)
+        self.weight_receiver = WeightReceiver(self, in_flight_updates)
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stop_ids = {self.tokenizer.eos_token_id, *(cfg.stop_token_ids or [])} - {None}
 
-    def _weight_names(self) -> set[str]:
+    # WeightSink (weights/protocols.py)
+    def weight_names(self) -> set[str]:
         return set(self.model.state_dict())
+
+    def weight_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def weight_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def prepare_for_refit(self) -> None:
+        """Nothing to take back: the model stays in memory."""
+
+    def begin_refit(self) -> None:
+        """Nothing to open: buckets are copied into the live parameters."""
+
+    def finish_refit(self) -> int:
+        return 0
 
     def load_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
         """Copy HF-named tensors into the live parameters in place; returns how many were loaded."""
@@ -65,12 +81,12 @@ class TorchGenerationWorker(WeightReceiver):
         return any(s in tail for s in stops)
 
     def generate(self, prompts, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
-        with self._generation(), torch.no_grad():
+        with self.weight_receiver.generation(), torch.no_grad():
             return self._sample(prompts, greedy, seed, stop_strings, max_new_tokens)
 
     def _forward(self, **inputs):
         """One forward step of the sampling loop (a refit may land between two)."""
-        with self._model_turn():
+        with self.weight_receiver.model_turn():
             return self.model(**inputs, use_cache=True)
 
     def _sample(self, prompts, greedy, seed, stop_strings, max_new_tokens):
@@ -120,7 +136,3 @@ class TorchGeneration(GenerationEngine):
 
     def generate(self, prompts, *, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
         return ray.get(self.actor.generate.remote(prompts, greedy, seed, stop_strings, max_new_tokens))
-
-    def update_weights(self, buckets: Iterator[dict[str, torch.Tensor]]) -> None:
-        pending = [self.actor.load_bucket.remote(bucket) for bucket in buckets]  # streamed, loaded in order
-        ray.get(pending)

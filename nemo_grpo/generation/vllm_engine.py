@@ -22,7 +22,7 @@ one refit: `initialize_layerwise_reload` once, the model's `load_weights` per bu
 buffer a fused layer's tensors until the layer is complete, across buckets), `finalize_layerwise_reload` at
 the end, then `reset_prefix_cache()`. Memory stays at about one layer beyond the current bucket instead of a
 second copy of the model, and any bucket boundary is fine. Non-colocated, the same three phases run inside
-one `receive_weights` call (`WeightReceiver`, weights/receiver.py), the buckets arriving over a weight-transfer
+one `receive` call (`WeightReceiver`, weights/receiver.py), the buckets arriving over a weight-transfer
 group instead of through the driver. Each phase runs on every vLLM worker through `LLM.collective_rpc`, so
 `policy.generation.vllm_cfg.tensor_parallel_size > 1` works the same way: every TP worker receives the full
 HF tensors of a bucket and keeps its shard (its own `load_weights`). With TP 1 the worker is in the actor's
@@ -43,9 +43,8 @@ import hashlib
 import itertools
 import logging
 import os
-from collections import deque
 from types import SimpleNamespace
-from typing import Iterator, Optional
+from typing import Optional
 
 import ray
 import torch
@@ -69,7 +68,6 @@ QUIET_LOGGING = {"VLLM_LOGGING_LEVEL": "WARNING"}
 EXPECTED_RELOAD_WARNING = ": Failed to load weights"
 CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when the caller has not set it: plenty for small models
 MAX_MODEL_LEN_CAP = 32768  # max_model_len = min(max_position_embeddings, this) unless given
-BUCKETS_IN_FLIGHT = 2  # refit buckets sent ahead of the one being loaded (bounds object-store use)
 
 
 def _vllm() -> SimpleNamespace:
@@ -129,9 +127,10 @@ def _to_output(completion) -> GenerationOutput:
     return GenerationOutput(tokens, logprobs, completion.finish_reason)
 
 
-class VllmGenerationWorker(WeightReceiver):
-    """Ray actor holding one in-process `vllm.LLM`; refit streams buckets into the live model, from the driver
-    (colocated) or from a weight-transfer group (non-colocated, WeightReceiver)."""
+class VllmGenerationWorker:
+    """Ray actor holding one in-process `vllm.LLM`, and a WeightSink (weights/protocols.py): its
+    `weight_receiver` streams a refit's buckets into the live model, from a shared region (colocated) or from a
+    weight-transfer group (non-colocated)."""
 
     def __init__(self, model_path: str, num_threads: int = 1, max_model_len: Optional[int] = None,
                  gpu_memory_utilization: float = 0.9, seed: int = 0, tensor_parallel_size: int = 1,
@@ -143,7 +142,8 @@ class VllmGenerationWorker(WeightReceiver):
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             lambda record: not record.getMessage().endswith(EXPECTED_RELOAD_WARNING))
         torch.set_num_threads(num_threads)  # before vLLM's CPU worker disables set_num_threads
-        self._init_weight_receiver(in_flight_updates)
+        self.in_flight_updates = in_flight_updates  # generate steps the engine itself, a refit between two steps
+        self.weight_receiver = WeightReceiver(self, in_flight_updates)
         self._request_ids = itertools.count()
         self.llm = self._build_llm(model_path, max_model_len, gpu_memory_utilization, seed, tensor_parallel_size)
         config = self.llm.llm_engine.model_config.hf_config
@@ -182,7 +182,7 @@ class VllmGenerationWorker(WeightReceiver):
 
     def generate(self, prompts, cfg, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
         """One sample per prompt (token-id lists) -> list[GenerationOutput]; sampling settings from `cfg`."""
-        if self._refit_loaded is not None and self._model_lock is None:  # (in-flight: steps wait for the refit)
+        if self._refit_loaded is not None and not self.in_flight_updates:  # (in-flight: steps wait for the refit)
             raise RuntimeError("generate called while a refit is open (finish_refit was not called)")
         if not prompts:
             return []
@@ -192,8 +192,8 @@ class VllmGenerationWorker(WeightReceiver):
         params = [_vllm().SamplingParams(**sampling_kwargs(cfg, greedy, max_new_tokens, per_prompt[i]),
                                          seed=None if seed is None or greedy else request_seed(seed, i))
                   for i in range(len(prompts))]
-        with self._generation():
-            if self._model_lock is None:
+        with self.weight_receiver.generation():
+            if not self.in_flight_updates:
                 outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
             else:
                 outs = self._generate_in_steps(prompts, params)
@@ -210,7 +210,7 @@ class VllmGenerationWorker(WeightReceiver):
         done = {}
         try:
             while len(done) < len(ids):
-                with self._model_turn():
+                with self.weight_receiver.model_turn():
                     outputs = engine.step()
                 done.update((o.request_id, o) for o in outputs if o.finished)
         except BaseException:
@@ -218,14 +218,19 @@ class VllmGenerationWorker(WeightReceiver):
             raise
         return [done[i] for i in ids]
 
-    def _weight_names(self) -> Optional[set[str]]:
+    # WeightSink (weights/protocols.py)
+    def weight_names(self) -> Optional[set[str]]:
         return self.known_names
 
-    def _weight_device(self) -> torch.device:
+    def weight_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-    def _weight_dtype(self) -> torch.dtype:
+    def weight_dtype(self) -> torch.dtype:
         return self.llm.llm_engine.model_config.dtype
+
+    def prepare_for_refit(self) -> None:
+        """Take back the weights' memory (sleep mode), so they can be loaded in place."""
+        self.wake_up(["weights"])
 
     def begin_refit(self) -> None:
         """Open a refit: on every worker the model's layers go to the meta device, their loaders buffer until a
@@ -319,17 +324,3 @@ class VllmGeneration(GenerationEngine):
     def finish_generation(self) -> None:
         ray.get(self.actor.sleep.remote())
 
-    def prepare_for_refit(self) -> None:
-        ray.get(self.actor.wake_up.remote(["weights"]))
-
-    def update_weights(self, buckets: Iterator[dict[str, torch.Tensor]]) -> None:
-        """Stream buckets into the live engine (at most BUCKETS_IN_FLIGHT ahead); any bucket boundary is fine."""
-        pending = deque([self.actor.begin_refit.remote()])
-        try:
-            for bucket in buckets:
-                pending.append(self.actor.load_bucket.remote(bucket))
-                while len(pending) > BUCKETS_IN_FLIGHT:
-                    ray.get(pending.popleft())
-            ray.get(list(pending))
-        finally:
-            ray.get(self.actor.finish_refit.remote())  # always close the refit, so the engine can generate

@@ -1,10 +1,11 @@
-"""`WeightReceiver`: the engine workers' side of a refit (weights/refit.py), in both modes.
+"""`WeightReceiver`: an engine worker's side of a refit (weights/refit.py), in both modes, over a WeightSink.
 
-A mixin of both engines' worker actors. Colocated: the policy ranks write each bucket of the plan into a region
-of host shared memory (weights/sender.py) that the engine worker has mapped (`attach_weight_region`); it loads
-the bucket from there in place (`load_region_bucket`). Non-colocated: policy rank 0 broadcasts each bucket over
-the transfer group as one flat buffer per dtype (weights/transfer.py); each receiver receives into buffers of
-the planned layout and loads the bucket. Either way, `begin_refit` / `load_bucket` / `finish_refit`.
+The engine's worker holds `weight_receiver = WeightReceiver(self, in_flight_updates)`. Colocated: the policy
+ranks write each bucket of the plan into a region of host shared memory (weights/sender.py) that the worker has
+mapped (`attach_region`); it loads the bucket from there in place (`load_region_bucket`). Non-colocated:
+policy rank 0 broadcasts each bucket over the transfer group as one flat buffer per dtype
+(weights/transfer.py); the receiver receives into buffers of the planned layout and loads the bucket. Either
+way the sink sees `begin_refit` / `load_bucket` / `finish_refit` (weights/protocols.py).
 """
 
 from __future__ import annotations
@@ -12,37 +13,36 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from typing import Optional
 
 import ray
 import torch
 
 from nemo_grpo.weights import transfer as wt
+from nemo_grpo.weights.protocols import WeightSink
 from nemo_grpo.weights.transfer import TensorSpec
 
 
 class WeightReceiver:
-    """Mixin of an engine's worker actor: the receiving end of a CollectiveRefitter.
+    """The receiving end on one engine worker, and the turn-taking of its forward steps with refits.
 
-    The engine worker supplies `load_bucket(bucket)` (HF-named full tensors, loaded in place), and where it
-    needs them `begin_refit()` / `finish_refit()` around a refit's buckets, `_weight_names()` (the names it
-    accepts; None = not known) and `_weight_device()` (where its model lives).
+    in_flight_updates: the actor runs two calls at once (max_concurrency=2), so a refit may land between two
+    forward steps of a generate call under way; the sink's generation wraps each forward step in
+    `model_turn()` and each generate call in `generation()`.
     """
 
-    _receiver: Optional[dict] = None
-    _region: Optional[dict] = None
-    _model_lock: Optional[threading.Lock] = None  # in-flight weight updates: forward steps and refits alternate
-    _generations = 0  # generate calls under way
-    _refits_waiting = 0  # refits waiting for the model
-    _refits_mid_generation = 0  # refits that landed while a generate call was under way
-
-    def _init_weight_receiver(self, in_flight_updates: bool) -> None:
-        """In the worker's constructor. in_flight_updates: the actor runs two calls at once (max_concurrency=2),
-        so a refit may land between two forward steps of a generate call under way."""
-        self._model_lock = threading.Lock() if in_flight_updates else None
+    def __init__(self, sink: WeightSink, in_flight_updates: bool = False):
+        self.sink = sink
+        self._receiver: Optional[dict] = None  # the transfer group and its buffers (non-colocated)
+        self._region: Optional[dict] = None  # the mapped shared region (colocated)
+        self._model_lock = threading.Lock() if in_flight_updates else None  # forward steps and refits alternate
+        self._generations = 0  # generate calls under way
+        self._refits_waiting = 0  # refits waiting for the model
+        self._refits_mid_generation = 0  # refits that landed while a generate call was under way
 
     @contextlib.contextmanager
-    def _model_turn(self, refit: bool = False) -> Iterator[None]:
+    def model_turn(self, refit: bool = False) -> Iterator[None]:
         """Held around each forward step of generation and around a whole refit (a no-op without in-flight
         updates, where the actor runs one call at a time). A waiting refit goes before the next step."""
         if self._model_lock is None:
@@ -59,7 +59,7 @@ class WeightReceiver:
             yield
 
     @contextlib.contextmanager
-    def _generation(self) -> Iterator[None]:
+    def generation(self) -> Iterator[None]:
         """Around a generate call: counts it as under way."""
         self._generations += 1
         try:
@@ -71,66 +71,49 @@ class WeightReceiver:
         """How many refits so far landed while a generate call was under way (in-flight weight updates)."""
         return self._refits_mid_generation
 
-    def begin_refit(self) -> None:
-        """Before a refit's first bucket."""
-
-    def finish_refit(self) -> int:
-        """After its last bucket (also after a failed one)."""
-        return 0
-
-    def load_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
-        raise NotImplementedError(f"{type(self).__name__} does not load weight buckets")
-
-    def _weight_names(self) -> Optional[set[str]]:
-        return None
-
-    def _weight_device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def _weight_dtype(self) -> torch.dtype:
-        return torch.float32
-
     def weight_dtype(self) -> str:
-        """The dtype the engine holds its weights in ("bfloat16", "float32"): they are cast to it before they travel."""
-        return str(self._weight_dtype()).removeprefix("torch.")
+        """The dtype the sink holds its weights in ("bfloat16", "float32"): they are cast to it before they travel."""
+        return str(self.sink.weight_dtype()).removeprefix("torch.")
 
     def node_ip(self) -> str:
+        """The address of the worker's node (a colocated region is shared within one node)."""
         return ray.util.get_node_ip_address()
 
-    # ------------------------------------------------------------------------------------------ colocated
-    def attach_weight_region(self, path: str, plan: list[list[TensorSpec]]) -> None:
-        """Map the policy's shared region of `plan` (weights/transfer.py SharedRegion) for the refits to come."""
-        self.check_weight_names([s.name for bucket in plan for s in bucket])
-        region = wt.SharedRegion(path, wt.region_nbytes(plan))
-        self._region = {"region": region, "views": wt.bucket_views(wt.bucket_buffers(region.tensor, plan), plan)}
+    def transfer_device(self) -> str:
+        """"cuda" | "cpu": where received weights end up (NCCL is used only when every member says cuda)."""
+        return self.sink.weight_device().type
 
-    def close_weight_transfer(self) -> None:
+    def check_names(self, names: list[str]) -> None:
+        """A plan naming a tensor the sink does not accept fails here, before anything is sent."""
+        known = self.sink.weight_names()
+        unknown = sorted(n for n in names if n not in known) if known is not None else []
+        if unknown:
+            raise KeyError(f"refit: the engine's model has no parameter(s) {unknown[:5]}")
+
+    def close(self) -> None:
         """Drop the region's mapping and the transfer group (their memory goes with them)."""
         self._region = self._receiver = None
+
+    # ------------------------------------------------------------------------------------------ colocated
+    def attach_region(self, path: str, plan: list[list[TensorSpec]]) -> None:
+        """Map the policy's shared region of `plan` (weights/transfer.py SharedRegion) for the refits to come."""
+        self.check_names([s.name for bucket in plan for s in bucket])
+        region = wt.SharedRegion(path, wt.region_nbytes(plan))
+        self._region = {"region": region, "views": wt.bucket_views(wt.bucket_buffers(region.tensor, plan), plan)}
 
     def load_region_bucket(self, index: int, *written) -> int:
         """Load bucket `index` from the shared region (`written`: the policy ranks' writes of it, which Ray
         resolves before this runs); returns the number of tensors loaded."""
         if self._region is None:
-            raise RuntimeError("load_region_bucket: no shared weight region (attach_weight_region first)")
-        return self.load_bucket(self._region["views"][index])
+            raise RuntimeError("load_region_bucket: no shared weight region (attach_region first)")
+        return self.sink.load_bucket(self._region["views"][index])
 
     # ------------------------------------------------------------------------------------------ non-colocated
-    def weight_transfer_device(self) -> str:
-        """"cuda" | "cpu": where received weights end up (NCCL is used only when every member says cuda)."""
-        return self._weight_device().type
-
-    def check_weight_names(self, names: list[str]) -> None:
-        known = self._weight_names()
-        unknown = sorted(n for n in names if n not in known) if known is not None else []
-        if unknown:
-            raise KeyError(f"refit: the engine's model has no parameter(s) {unknown[:5]}")
-
-    def join_weight_transfer(self, host: str, port: int, rank: int, world_size: int, backend: str,
-                             plan: list[list[TensorSpec]], timeout_s: float) -> None:
+    def join_transfer(self, host: str, port: int, rank: int, world_size: int, backend: str,
+                      plan: list[list[TensorSpec]], timeout_s: float) -> None:
         """Join the transfer group as `rank`; `plan` is the layout of every refit's buckets, in order."""
-        self.check_weight_names([s.name for bucket in plan for s in bucket])
-        device = self._weight_device() if backend == "nccl" else torch.device("cpu")
+        self.check_names([s.name for bucket in plan for s in bucket])
+        device = self.sink.weight_device() if backend == "nccl" else torch.device("cpu")
         group = wt.join_group(host, port, rank, world_size, backend, timeout_s)
         buffers = None
         if device.type == "cpu":  # one region for every refit: no page faults after the first
@@ -146,25 +129,22 @@ class WeightReceiver:
                                                                              receiver["device"])
         return wt.broadcast_async(receiver["group"], flats), flats
 
-    def receive_weights(self, first: int = 0) -> int:
+    def receive(self, first: int = 0) -> int:
         """One refit: receive every bucket of the plan from index `first` on and load it; returns the number of
-        tensors loaded.
-
-        After a failed load the remaining buckets are still received (and
-        dropped), so the sender is not left waiting; the error is raised at the end.
-        """
+        tensors loaded. After a failed load the remaining buckets are still received (and dropped), so the
+        sender is not left waiting; the error is raised at the end."""
         if self._receiver is None:
-            raise RuntimeError("receive_weights: not in a weight-transfer group (join_weight_transfer first)")
-        with self._model_turn(refit=True):
+            raise RuntimeError("receive: not in a weight-transfer group (join_transfer first)")
+        with self.model_turn(refit=True):
             self._refits_mid_generation += self._generations > 0
             return self._receive_all(self._receiver["plan"], first)
 
     def _receive_all(self, plan: list[list[TensorSpec]], first: int) -> int:
-        """receive_weights' protocol, with the model to itself."""
+        """receive's protocol, with the model to itself."""
         error: Optional[BaseException] = None
         loaded = 0
         try:
-            self.begin_refit()
+            self.sink.begin_refit()
         except Exception as e:
             error = e
         try:
@@ -176,11 +156,11 @@ class WeightReceiver:
                     incoming = self._receive_async(index + 1)
                 if error is None:
                     try:
-                        loaded += self.load_bucket(wt.unpack(flats, bucket))
+                        loaded += self.sink.load_bucket(wt.unpack(flats, bucket))
                     except Exception as e:  # keep the protocol in step; report after the last bucket
                         error = e
         finally:
-            self.finish_refit()
+            self.sink.finish_refit()
         if error is not None:
             raise error
         return loaded

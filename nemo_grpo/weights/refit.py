@@ -1,6 +1,9 @@
 """Refit, the driver's side: the policy's weights into the generation engine, in place, in one of NeMo RL's two
-modes. The policy workers' side is `weights/sender.py` (WeightSender), the engine workers' `weights/receiver.py`
-(WeightReceiver), the wire `weights/transfer.py`.
+modes. The policy workers' side is `weights/sender.py` (WeightSender over the back end's WeightSource), the
+engine workers' `weights/receiver.py` (WeightReceiver over the engine's WeightSink), the wire
+`weights/transfer.py`. A `Refitter` drives both ends through two handles, `Senders` (the policy's worker group)
+and `Receivers` (the engine's workers), and owns a refit end to end: the engine's `prepare_for_refit`, the
+set-up at the first refit, the buckets.
 
 colocated (`policy.generation.colocated.enabled=true`): one region of host shared memory holds the whole
   plan (HF-named full tensors in the engine's dtype); the policy ranks write their shards into it in place
@@ -24,117 +27,182 @@ from __future__ import annotations
 
 import time
 import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Optional
 
 import ray
 
 from nemo_grpo.errors import ConfigError
+from nemo_grpo.weights.protocols import ReceiverHost, SenderHost
+from nemo_grpo.weights.receiver import WeightReceiver
+from nemo_grpo.weights.sender import WeightSender
 
 TRANSFER_TIMEOUT_S = 600.0  # joining the transfer group, and each broadcast, fail after this long
 DEAD_ACTOR_GRACE_S = 30.0  # after a failed refit, how long Ray may take to report a receiver's death
 
 
-class SharedMemoryRefitter:
+def _on_sender(host: SenderHost, method: Callable, *args):
+    return method(host.weight_sender, *args)
+
+
+def _on_receiver(host: ReceiverHost, method: Callable, *args):
+    return method(host.weight_receiver, *args)
+
+
+class Senders:
+    """The driver's handle to a policy's ranks (the actors of its WorkerGroup, each a SenderHost): runs a
+    WeightSender method on every rank, e.g. `senders.run(WeightSender.open_region, name, 64.0, None)`."""
+
+    def __init__(self, actors: list):
+        self.actors = list(actors)
+
+    def run_async(self, method: Callable, *args) -> list:
+        """ObjectRefs of `method(rank's weight_sender, *args)` on every rank, by rank."""
+        return [a.__ray_call__.remote(_on_sender, method, *args) for a in self.actors]
+
+    def run(self, method: Callable, *args) -> list:
+        return ray.get(self.run_async(method, *args))
+
+
+class Receivers:
+    """The driver's handle to an engine's workers (each a ReceiverHost and a WeightSink): runs a WeightReceiver
+    method on every worker (`run`), or a WeightSink method by its declared name (`sink.*.remote()`)."""
+
+    def __init__(self, actors: list):
+        self.actors = list(actors)
+
+    def run_async(self, method: Callable, *args) -> list:
+        return [a.__ray_call__.remote(_on_receiver, method, *args) for a in self.actors]
+
+    def run_each_async(self, method: Callable, args_per_worker: list[tuple]) -> list:
+        """ObjectRefs of `method(worker's weight_receiver, *args_per_worker[i])` on worker i."""
+        return [a.__ray_call__.remote(_on_receiver, method, *args) for a, args in zip(self.actors, args_per_worker)]
+
+    def run(self, method: Callable, *args) -> list:
+        return ray.get(self.run_async(method, *args))
+
+    def prepare(self) -> None:
+        """Every worker's WeightSink.prepare_for_refit (e.g. a sleeping vLLM takes its weights' memory back)."""
+        ray.get([a.prepare_for_refit.remote() for a in self.actors])
+
+    def dtype(self) -> str:
+        """The dtype every worker holds its weights in (they must agree)."""
+        dtypes = set(self.run(WeightReceiver.weight_dtype))
+        if len(dtypes) != 1:
+            raise RuntimeError(f"refit: the engine's workers hold weights in different dtypes {sorted(dtypes)}")
+        return dtypes.pop()
+
+
+class Refitter(ABC):
+    """One transfer from the policy (`senders`) into the engine (`receivers`), end to end: each refit prepares
+    the engine, sets the transfer up the first time (`_setup`: the plan in the engine's dtype), then moves
+    every bucket from `first` on (`_transfer`); after the first, only the buckets a train step changes."""
+
+    def __init__(self, senders: Senders, receivers: Receivers, bucket_size_mb: float):
+        self.senders, self.receivers, self.bucket_size_mb = senders, receivers, bucket_size_mb
+        self.name = f"refit-{uuid.uuid4().hex[:12]}"
+        self.ready = False  # set up (plan, region, group) and not closed since
+        self.plan: list = []  # buckets of TensorSpecs, frozen ones first
+        self.trained_from = 0  # the first bucket a train step can change
+        self.first = 0  # the first bucket a refit sends: 0, then (LoRA) trained_from
+
+    def refit(self) -> dict[str, float]:
+        """{"seconds", "bytes", "buckets"} (+ "send_seconds": policy rank 0's part, collective mode)."""
+        self.receivers.prepare()
+        if not self.ready:
+            self._setup()
+            self.ready = True
+        start = time.perf_counter()
+        stats = self._transfer(self.first)
+        self.first = self.trained_from
+        return {**stats, "seconds": time.perf_counter() - start}
+
+    def close(self) -> None:
+        """Forget the transfer on the policy and the engine's workers (a later refit sets it up again)."""
+        if self.ready:
+            self.senders.run(WeightSender.close, self.name)
+            self.receivers.run(WeightReceiver.close)
+            self.ready, self.first = False, 0
+        self.name = f"refit-{uuid.uuid4().hex[:12]}"
+
+    def _adopt(self, info: dict) -> None:
+        self.plan, self.trained_from = info["plan"], info["trained_from"]
+
+    @abstractmethod
+    def _setup(self) -> None:
+        """Plan the transfer on the policy and make both ends ready for it; `_adopt` its plan."""
+
+    @abstractmethod
+    def _transfer(self, first: int) -> dict[str, float]:
+        """Move buckets `first`.. into the engine: {"bytes", "buckets"} (and what else the mode measures)."""
+
+
+class SharedMemoryRefitter(Refitter):
     """Colocated mode: the policy ranks write the weights, in the engine's dtype, into a region of host shared
     memory that the engine's workers have mapped, bucket by bucket; each worker loads bucket i from there in
     place while the policy writes bucket i + 1. The driver passes only the writes' ObjectRefs."""
 
-    def __init__(self, policy, engine, bucket_size_mb: float):
-        self.policy, self.engine, self.bucket_size_mb = policy, engine, bucket_size_mb
-        self.name = f"refit-{uuid.uuid4().hex[:12]}"
-        self.workers: Optional[list] = None  # the engine's actors, once the region is set up
-        self.plan: list = []
-        self.first = 0  # the first bucket a refit sends: 0, then (LoRA) the first of what training changes
-
-    def setup(self) -> None:
+    def _setup(self) -> None:
         """Plan in the engine's dtype, create the region, map it on the engine's workers, then on the policy."""
-        workers = self.engine.workers()
-        info = self.policy.open_weight_region(self.name, self.bucket_size_mb, engine_dtype(workers))
-        hosts = ray.get([w.node_ip.remote() for w in workers])
+        info = self.senders.run(WeightSender.open_region, self.name, self.bucket_size_mb, self.receivers.dtype())[0]
+        hosts = self.receivers.run(WeightReceiver.node_ip)
         if any(h != info["host"] for h in hosts):
             raise RuntimeError(f"colocated refit: the engine's workers run on {sorted(set(hosts))}, policy rank 0 on "
                                f"{info['host']}; colocated generation shares the policy's node (or set "
                                "policy.generation.colocated.enabled=false)")
-        plan = ray.put(info["plan"])
-        ray.get([w.attach_weight_region.remote(info["path"], plan) for w in workers])
-        self.policy.attach_weight_region(self.name, info["host"], info["path"])
-        self.workers, self.plan, self.trained_from = workers, info["plan"], info["trained_from"]
+        self.receivers.run(WeightReceiver.attach_region, info["path"], ray.put(info["plan"]))
+        self.senders.run(WeightSender.attach_region, self.name, info["host"], info["path"])
+        self._adopt(info)
 
-    def refit(self) -> dict[str, float]:
-        if self.workers is None:
-            self.setup()
-        start = time.perf_counter()
-        opened = [w.begin_refit.remote() for w in self.workers]
+    def _transfer(self, first: int) -> dict[str, float]:
+        workers = self.receivers.actors
+        opened = [w.begin_refit.remote() for w in workers]
         writes, loads = [], []
-        for index in range(self.first, len(self.plan)):
-            written = self.policy.write_weight_bucket_async(self.name, index)
+        for index in range(first, len(self.plan)):
+            written = self.senders.run_async(WeightSender.write_bucket, self.name, index)
             writes.append(written[0])
-            loads += [w.load_region_bucket.remote(index, *written) for w in self.workers]
+            loads += self.receivers.run_async(WeightReceiver.load_region_bucket, index, *written)
         try:
             ray.get(opened + loads)
         finally:
-            ray.get([w.finish_refit.remote() for w in self.workers])  # always closed, so the engine can generate
-        self.first = self.trained_from
-        return {"bytes": float(sum(ray.get(writes))), "buckets": float(len(writes)),
-                "seconds": time.perf_counter() - start}
-
-    def close(self) -> None:
-        """Unmap the region everywhere (a later refit sets it up again)."""
-        close_transfer(self)
+            ray.get([w.finish_refit.remote() for w in workers])  # always closed, so the engine can generate
+        return {"bytes": float(sum(ray.get(writes))), "buckets": float(len(writes))}
 
 
-def close_transfer(refitter) -> None:
-    """Forget a refitter's transfer on the policy and the engine's workers, if it was set up."""
-    if refitter.workers is not None:
-        refitter.policy.close_weight_transfer(refitter.name)
-        ray.get([w.close_weight_transfer.remote() for w in refitter.workers])
-        refitter.workers, refitter.first = None, 0
-
-
-def engine_dtype(workers: list) -> str:
-    """The dtype every engine worker holds its weights in (they must agree)."""
-    dtypes = set(ray.get([w.weight_dtype.remote() for w in workers]))
-    if len(dtypes) != 1:
-        raise RuntimeError(f"refit: the engine's workers hold weights in different dtypes {sorted(dtypes)}")
-    return dtypes.pop()
-
-
-class CollectiveRefitter:
+class CollectiveRefitter(Refitter):
     """Non-colocated mode: policy rank 0 broadcasts to the engine's workers over a group of their own.
 
     The group is named (`self.name`), so one policy can feed several engines, each over its own group.
     """
 
-    def __init__(self, policy, engine, bucket_size_mb: float, timeout_s: float = TRANSFER_TIMEOUT_S):
-        self.policy, self.engine, self.bucket_size_mb, self.timeout_s = policy, engine, bucket_size_mb, timeout_s
-        self.name = f"refit-{uuid.uuid4().hex[:12]}"
-        self.workers: Optional[list] = None  # the engine's actors, once the group is set up
+    def __init__(self, senders: Senders, receivers: Receivers, bucket_size_mb: float,
+                 timeout_s: float = TRANSFER_TIMEOUT_S):
+        super().__init__(senders, receivers, bucket_size_mb)
+        self.timeout_s = timeout_s
         self.backend: Optional[str] = None
-        self.first = 0  # as SharedMemoryRefitter's
 
-    def setup(self) -> None:
+    def _setup(self) -> None:
         """Plan on the policy, check the names on the engine, then everyone joins the group (once)."""
-        workers = self.engine.workers()
-        info = self.policy.open_weight_transfer(self.name, self.bucket_size_mb, engine_dtype(workers),
-                                                self.timeout_s)
-        devices = ray.get([w.weight_transfer_device.remote() for w in workers])
+        info = self.senders.run(WeightSender.open_transfer, self.name, self.bucket_size_mb, self.receivers.dtype(),
+                                self.timeout_s)[0]
+        devices = self.receivers.run(WeightReceiver.transfer_device)
         backend = "nccl" if info["device"] == "cuda" and all(d == "cuda" for d in devices) else "gloo"
         names = [s.name for bucket in info["plan"] for s in bucket]
-        ray.get([w.check_weight_names.remote(names) for w in workers])  # fail before anyone blocks in a join
-        world = 1 + len(workers)
+        self.receivers.run(WeightReceiver.check_names, names)  # fail before anyone blocks in a join
+        world = 1 + len(self.receivers.actors)
         plan = ray.put(info["plan"])
-        joins = self.policy.join_weight_transfer_async(self.name, world, backend)
-        joins += [w.join_weight_transfer.remote(info["host"], info["port"], rank, world, backend, plan,
-                                                self.timeout_s) for rank, w in enumerate(workers, start=1)]
+        joins = self.senders.run_async(WeightSender.join_transfer, self.name, world, backend)
+        joins += self.receivers.run_each_async(WeightReceiver.join_transfer, [
+            (info["host"], info["port"], rank, world, backend, plan, self.timeout_s)
+            for rank in range(1, world)])
         ray.get(joins)
-        self.workers, self.backend, self.trained_from = workers, backend, info["trained_from"]
+        self.backend = backend
+        self._adopt(info)
 
-    def refit(self) -> dict[str, float]:
-        if self.workers is None:
-            self.setup()
-        start = time.perf_counter()
-        sends = self.policy.send_weights_async(self.name, self.first)
-        receives = [w.receive_weights.remote(self.first) for w in self.workers]
+    def _transfer(self, first: int) -> dict[str, float]:
+        sends = self.senders.run_async(WeightSender.send, self.name, first)
+        receives = self.receivers.run_async(WeightReceiver.receive, first)
         pending = sends + receives
         try:
             while pending:  # a failed member (a dead engine actor) raises at once, not after the others time out
@@ -144,14 +212,7 @@ class CollectiveRefitter:
             _raise_if_a_receiver_died(receives, DEAD_ACTOR_GRACE_S)
             raise
         sent = ray.get(sends[0])  # policy rank 0's {"bytes", "buckets", "seconds"}
-        self.first = self.trained_from
-        return {"bytes": sent["bytes"], "buckets": sent["buckets"], "seconds": time.perf_counter() - start,
-                "send_seconds": sent["seconds"]}
-
-    def close(self) -> None:
-        """Leave the group and drop its buffers everywhere (a later refit sets it up again, with a new name)."""
-        close_transfer(self)
-        self.name = f"refit-{uuid.uuid4().hex[:12]}"
+        return {"bytes": sent["bytes"], "buckets": sent["buckets"], "send_seconds": sent["seconds"]}
 
 
 def _raise_if_a_receiver_died(receives: list, grace_s: float) -> None:
@@ -175,9 +236,11 @@ def check_generation_resources(gen_cfg, on_gpus: bool) -> None:
                           "own: set policy.generation.colocated.resources.gpus_per_node and .num_nodes")
 
 
-def make_refitter(policy, engine, gen_cfg, *, timeout_s: float = TRANSFER_TIMEOUT_S):
-    """The refitter of policy.generation.colocated.enabled: SharedMemoryRefitter | CollectiveRefitter."""
+def make_refitter(policy, engine, gen_cfg, *, timeout_s: float = TRANSFER_TIMEOUT_S) -> Refitter:
+    """The refitter of policy.generation.colocated.enabled (SharedMemoryRefitter | CollectiveRefitter) from
+    `policy.group` (its WorkerGroup) to `engine.workers()`."""
+    senders, receivers = Senders(policy.group.actors), Receivers(engine.workers())
     if gen_cfg.colocated.enabled:
-        return SharedMemoryRefitter(policy, engine, gen_cfg.refit_bucket_size_mb)
+        return SharedMemoryRefitter(senders, receivers, gen_cfg.refit_bucket_size_mb)
     check_generation_resources(gen_cfg, ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0)
-    return CollectiveRefitter(policy, engine, gen_cfg.refit_bucket_size_mb, timeout_s)
+    return CollectiveRefitter(senders, receivers, gen_cfg.refit_bucket_size_mb, timeout_s)

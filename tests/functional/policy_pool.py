@@ -104,7 +104,6 @@ class RunActorsPool:
             self.idle = None
             actors.policy.load_checkpoint(initial)
             refitter = make_refitter(actors.policy, actors.engine, cfg.policy.generation)
-            actors.engine.prepare_for_refit()
             refitter.refit()  # the engine samples from the start weights again
             refitter.close()
         else:

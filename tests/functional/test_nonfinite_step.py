@@ -11,12 +11,13 @@ from nemo_grpo.config import ClusterConfig, PolicyConfig
 from nemo_grpo.policy import Policy
 
 from policy_checks import TokenPGLoss, make_batch
+from weight_io import export_weights
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def full_state(policy: Policy) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for bucket in policy.export_weights(1024.0) for k, v in bucket.items()}
+    return {k: v.clone() for bucket in export_weights(policy, 1024.0) for k, v in bucket.items()}
 
 
 @pytest.mark.parametrize("backend", ["dtensor", "megatron"])

@@ -24,6 +24,7 @@ from nemo_grpo.generation.torch_engine import TorchGeneration
 from nemo_grpo.generation import vllm_available
 from nemo_grpo.generation.vllm_engine import VllmGeneration
 from nemo_grpo.policy import Policy
+from weight_io import export_weights
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test loss travels to the actors by value
 
@@ -62,7 +63,7 @@ def target_batch(seed: int, n: int = 4) -> dict:
 def policy_greedy(policy: Policy, path: str) -> list[list[int]]:
     """Greedy decoding with plain transformers from the policy's exported weights (EOS stops, as in the engines)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.load_state_dict({k: v for bucket in policy.export_weights(64.0) for k, v in bucket.items()})
+    model.load_state_dict({k: v for bucket in export_weights(policy, 64.0) for k, v in bucket.items()})
     outs = []
     with torch.no_grad():
         for p in PROMPTS:

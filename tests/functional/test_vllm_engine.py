@@ -15,6 +15,7 @@ from nemo_grpo.config import ClusterConfig, GenerationConfig
 from nemo_grpo.generation.torch_engine import filter_logits
 from nemo_grpo.generation import vllm_available
 from nemo_grpo.generation.vllm_engine import VllmGeneration, request_seed, sampling_kwargs
+from weight_io import update_weights
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 
@@ -107,7 +108,7 @@ def test_refit_in_place_takes_effect_across_split_layers(engine, hf):
     new_state, old_state = new.state_dict(), old.state_dict()
     names = list(new_state)
     try:
-        engine.update_weights({k: new_state[k] for k in names[i : i + 3]} for i in range(0, len(names), 3))
+        update_weights(engine, ({k: new_state[k] for k in names[i : i + 3]} for i in range(0, len(names), 3)))
         assert [o.token_ids for o in engine.generate(PROMPTS, greedy=True)] == \
             [hf_greedy(new, tok, p) for p in PROMPTS]
         sampled = engine.generate(PROMPTS, seed=3)
@@ -115,14 +116,14 @@ def test_refit_in_place_takes_effect_across_split_layers(engine, hf):
             teacher = sampled_logprobs(torch.log_softmax(teacher_logits(new, p, out.token_ids), -1), out.token_ids)
             torch.testing.assert_close(torch.tensor(out.logprobs), teacher, atol=1e-4, rtol=0)
     finally:
-        engine.update_weights(iter([{k: old_state[k] for k in names[:4]}, {k: old_state[k] for k in names[4:]}]))
+        update_weights(engine, iter([{k: old_state[k] for k in names[:4]}, {k: old_state[k] for k in names[4:]}]))
     assert [o.token_ids for o in engine.generate(PROMPTS, greedy=True)] == [hf_greedy(old, tok, p) for p in PROMPTS]
 
 
 def test_refit_rejects_unknown_names_and_keeps_serving(engine, hf):
     old, _, tok = hf
     with pytest.raises(Exception, match="no parameter"):
-        engine.update_weights(iter([{"not.a.weight": torch.zeros(1)}]))
+        update_weights(engine, iter([{"not.a.weight": torch.zeros(1)}]))
     assert [o.token_ids for o in engine.generate(PROMPTS, greedy=True)] == [hf_greedy(old, tok, p) for p in PROMPTS]
 
 
@@ -165,7 +166,7 @@ def test_tensor_parallel_engine_generates_and_refits_like_hf(ray_cluster, hf, ti
         assert [o.token_ids for o in eng.generate(PROMPTS, greedy=True)] == [hf_greedy(old, tok, p) for p in PROMPTS]
         state = new.state_dict()
         names = list(state)
-        eng.update_weights({k: state[k] for k in names[i : i + 3]} for i in range(0, len(names), 3))
+        update_weights(eng, ({k: state[k] for k in names[i : i + 3]} for i in range(0, len(names), 3)))
         assert [o.token_ids for o in eng.generate(PROMPTS, greedy=True)] == [hf_greedy(new, tok, p) for p in PROMPTS]
         for p, out in zip(PROMPTS, eng.generate(PROMPTS, seed=3)):
             teacher = sampled_logprobs(torch.log_softmax(teacher_logits(new, p, out.token_ids), -1), out.token_ids)

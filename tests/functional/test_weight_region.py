@@ -5,10 +5,13 @@ shards over dp, 2-D dp x tp shards, norms replicated over tp) and where rank 0 w
 
 import pytest
 import torch
+from weight_io import export_weights
 
 from nemo_grpo.config import ClusterConfig, PolicyConfig
 from nemo_grpo.policy import Policy
 from nemo_grpo.weights import transfer as wt
+from nemo_grpo.weights.refit import Senders
+from nemo_grpo.weights.sender import WeightSender
 
 LAYOUTS = {"dtensor_dp2": ("dtensor", 2, {}),
            "dtensor_dp2_tp2": ("dtensor", 4, {"dtensor_cfg.tensor_parallel_size": 2}),
@@ -34,11 +37,12 @@ def test_region_buckets_equal_the_export(ray_cluster, tiny_model_dir, layout, dt
         set_key(cfg, key, value)
     cluster = ClusterConfig(gpus_per_node=ranks, num_nodes=1, num_threads_per_worker=1)
     with Policy(cfg, cluster, path) as policy:
-        expected = {k: v for bucket in policy.export_weights(0.05) for k, v in bucket.items()}
-        info = policy.open_weight_region("region-test", 0.05, dtype)
+        expected = {k: v for bucket in export_weights(policy, 0.05) for k, v in bucket.items()}
+        senders = Senders(policy.group.actors)
+        info = senders.run(WeightSender.open_region, "region-test", 0.05, dtype)[0]
         region = wt.SharedRegion(info["path"], wt.region_nbytes(info["plan"]))  # mapped here before the policy removes the file
-        assert policy.attach_weight_region("region-test", info["host"], info["path"])  # every rank mapped it
-        written = [policy.group.run_all("write_weight_bucket", "region-test", i)[0] for i in range(len(info["plan"]))]
+        assert senders.run(WeightSender.attach_region, "region-test", info["host"], info["path"])[0]  # every rank mapped it
+        written = [senders.run(WeightSender.write_bucket, "region-test", i)[0] for i in range(len(info["plan"]))]
         assert len(info["plan"]) > 3 and sum(written) == sum(s.nbytes for b in info["plan"] for s in b)
         seen = {}
         for bucket, flats in zip(info["plan"], wt.bucket_buffers(region.tensor, info["plan"])):

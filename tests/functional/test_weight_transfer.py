@@ -91,11 +91,23 @@ def test_fill_names_a_tensor_that_does_not_match_the_plan():
     assert torch.equal(wt.unpack(flats, bucket)["b.weight"], tensors["b.weight"])
 
 
-class ListReceiver(WeightReceiver):
-    """Records the buckets it loads; fails to load bucket `fail_at`."""
+class ListSink:
+    """A WeightSink that records the buckets it loads; fails to load bucket `fail_at`; accepts `names` (None: any)."""
 
-    def __init__(self, fail_at=None):
-        self.loaded, self.fail_at, self.events = [], fail_at, []
+    def __init__(self, fail_at=None, names=None):
+        self.loaded, self.fail_at, self.events, self.names = [], fail_at, [], names
+
+    def weight_names(self):
+        return self.names
+
+    def weight_dtype(self):
+        return torch.float32
+
+    def weight_device(self):
+        return torch.device("cpu")
+
+    def prepare_for_refit(self):
+        self.events.append("prepare")
 
     def begin_refit(self):
         self.events.append("begin")
@@ -134,7 +146,7 @@ def test_broadcast_reaches_every_receiver_and_a_failed_load_does_not_stall_the_s
     plan, buckets = zip(*(mixed_bucket(seed) for seed in range(3)))
     plan = list(plan)
     store, port = wt.open_store("127.0.0.1", TIMEOUT_S)
-    receivers = [ListReceiver(), ListReceiver(fail_at=1)]
+    receivers = [WeightReceiver(ListSink()), WeightReceiver(ListSink(fail_at=1))]
 
     def sender():
         group = wt.join_group("", 0, 0, 3, "gloo", TIMEOUT_S, store=store)
@@ -144,25 +156,22 @@ def test_broadcast_reaches_every_receiver_and_a_failed_load_does_not_stall_the_s
 
     def receiver(r):
         def fn():
-            r.join_weight_transfer("127.0.0.1", port, 1 + receivers.index(r), 3, "gloo", plan, TIMEOUT_S)
-            return r.receive_weights()
+            r.join_transfer("127.0.0.1", port, 1 + receivers.index(r), 3, "gloo", plan, TIMEOUT_S)
+            return r.receive()
         return fn
 
     sent, ok, failed = run_members([sender] + [receiver(r) for r in receivers])
     assert sent == "sent"
     assert ok == sum(len(b) for b in plan)
-    assert all(torch.equal(got[k], want[k]) for got, want in zip(receivers[0].loaded, buckets) for k in want)
+    assert all(torch.equal(got[k], want[k]) for got, want in zip(receivers[0].sink.loaded, buckets) for k in want)
     assert isinstance(failed, KeyError)  # raised after the last bucket was received ...
-    assert len(receivers[1].loaded) == 1 and receivers[1].events == ["begin", "finish"]  # ... and closed
+    assert len(receivers[1].sink.loaded) == 1 and receivers[1].sink.events == ["begin", "finish"]  # ... and closed
 
 
 def test_receiver_checks_names_before_joining():
-    class Named(ListReceiver):
-        def _weight_names(self):
-            return {"a.weight"}
-
+    receiver = WeightReceiver(ListSink(names={"a.weight"}))
     with pytest.raises(KeyError, match="no parameter"):
-        Named().join_weight_transfer("127.0.0.1", 1, 1, 2, "gloo", [mixed_bucket(0)[0]], TIMEOUT_S)
+        receiver.join_transfer("127.0.0.1", 1, 1, 2, "gloo", [mixed_bucket(0)[0]], TIMEOUT_S)
 
 
 def test_non_colocated_generation_on_gpus_needs_its_resources():
@@ -175,24 +184,25 @@ def test_non_colocated_generation_on_gpus_needs_its_resources():
     check_generation_resources(cfg, on_gpus=True)
 
 
-class Stepper(WeightReceiver):
-    """An engine worker whose forward steps record the weight version they ran with; a refit bumps it."""
+class Stepper(ListSink):
+    """An engine worker whose forward steps record the weight version they ran with; a refit (of an empty plan)
+    bumps it."""
 
     def __init__(self, in_flight: bool):
-        self._init_weight_receiver(in_flight)
-        self._receiver = {"plan": []}
+        super().__init__()
+        self.weight_receiver = WeightReceiver(self, in_flight)
+        self.weight_receiver._receiver = {"plan": []}  # joined a transfer of no buckets
         self.version, self.seen = 0, []
 
     def generate(self, steps: int) -> None:
-        with self._generation():
+        with self.weight_receiver.generation():
             for _ in range(steps):
-                with self._model_turn():
+                with self.weight_receiver.model_turn():
                     self.seen.append(self.version)
                     time.sleep(0.001)
 
-    def _receive_all(self, plan, first) -> int:
+    def begin_refit(self):
         self.version += 1
-        return 1
 
 
 def test_an_in_flight_refit_lands_between_two_forward_steps():
@@ -201,18 +211,18 @@ def test_an_in_flight_refit_lands_between_two_forward_steps():
     gen.start()
     while len(worker.seen) < 20:
         time.sleep(0.001)
-    worker.receive_weights()  # waits for the step under way, then goes before the next
+    worker.weight_receiver.receive()  # waits for the step under way, then goes before the next
     gen.join()
     assert worker.seen[0] == 0 and worker.seen[-1] == 1 and worker.seen == sorted(worker.seen)
-    assert 20 <= worker.seen.index(1) < 300 and worker.refits_mid_generation() == 1
-    worker.receive_weights()  # between generations: not counted
-    assert worker.refits_mid_generation() == 1
+    assert 20 <= worker.seen.index(1) < 300 and worker.weight_receiver.refits_mid_generation() == 1
+    worker.weight_receiver.receive()  # between generations: not counted
+    assert worker.weight_receiver.refits_mid_generation() == 1
 
 
 def test_without_in_flight_updates_the_model_turn_is_free():
     worker = Stepper(in_flight=False)
-    with worker._model_turn():
-        worker.receive_weights()  # no lock: the actor runs one call at a time anyway
+    with worker.weight_receiver.model_turn():
+        worker.weight_receiver.receive()  # no lock: the actor runs one call at a time anyway
     assert worker.version == 1
 
 

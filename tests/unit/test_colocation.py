@@ -1,10 +1,12 @@
 """Colocated generation hands the devices over: the policy leaves before the rollouts and comes back after,
-the engine sleeps in between, and a refit wakes its weights first (no-ops on a CPU; the order is the contract)."""
+the engine sleeps in between, and a refit wakes its weights first (no-ops on a CPU; the order is the contract).
+The refitter owns that first step: every refit prepares the engine before it sets up or sends anything."""
 
 import dataclasses
 
 from nemo_grpo.algorithms.grpo import GRPOTrainer
 from nemo_grpo.validation import load_config
+from nemo_grpo.weights.refit import Refitter
 
 
 class Recorder:
@@ -32,8 +34,27 @@ def test_colocated_rollouts_and_refit_hand_memory_over_in_order():
     with trainer._generation_phase():
         calls.append("generate")
     trainer.refit()
-    assert calls == ["offload", "prepare_for_generation", "generate", "finish_generation", "onload",
-                     "prepare_for_refit", "refit"]
+    assert calls == ["offload", "prepare_for_generation", "generate", "finish_generation", "onload", "refit"]
+
+
+class PhaseRecorder(Refitter):
+    """A refitter whose set-up and transfer only record themselves (a 3-bucket plan, the last one trained)."""
+
+    def _setup(self):
+        self.senders.calls.append("setup")
+        self.plan, self.trained_from = [[], [], []], 2
+
+    def _transfer(self, first):
+        self.senders.calls.append(f"transfer from {first}")
+        return {"bytes": 0.0, "buckets": float(len(self.plan) - first)}
+
+
+def test_every_refit_prepares_the_engine_first_and_sets_up_once():
+    calls = []
+    refitter = PhaseRecorder(Recorder(calls), Recorder(calls), bucket_size_mb=1.0)
+    assert refitter.refit()["buckets"] == 3
+    assert refitter.refit()["buckets"] == 1  # later refits: only what a train step changes
+    assert calls == ["prepare", "setup", "transfer from 0", "prepare", "transfer from 2"]
 
 
 def test_the_policy_comes_back_even_when_a_rollout_fails():

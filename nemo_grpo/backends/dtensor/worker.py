@@ -125,11 +125,11 @@ class DTensorPolicyWorker(PolicyWorker):
         """HF name -> state-dict key (they differ only for LoRA layers' base weights; adapters are not exported)."""
         return {hf: k for k in state if (hf := peft_lora.hf_name(k)) is not None}
 
-    def _export_specs(self) -> list[TensorSpec]:
+    def weight_specs(self) -> list[TensorSpec]:
         state = self.model.state_dict()
         return [TensorSpec(n, tuple(state[k].shape), state[k].dtype) for n, k in self._hf_keys(state).items()]
 
-    def _export_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+    def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Full HF tensors on rank 0; a LoRA layer's weight merged: W + scale * B @ A."""
         state = self.model.state_dict()
         keys = self._hf_keys(state)
@@ -153,14 +153,14 @@ class DTensorPolicyWorker(PolicyWorker):
                     out[peft_lora.saved_key(key)] = full.to("cpu", copy=True)
         return out
 
-    def _write_bucket(self, bucket: list[TensorSpec], views: Optional[dict[str, torch.Tensor]],
-                      in_place: bool) -> None:
+    def write_weight_bucket(self, bucket: list[TensorSpec], views: Optional[dict[str, torch.Tensor]],
+                            in_place: bool) -> None:
         """In place: every rank copies (and casts) its own shard of each tensor into its slice of the full view,
         then all wait for each other; no gather of weights. A shard replicated over tp is written by tp rank 0
         only. LoRA: the rank-r adapters are gathered (small) and each rank merges its own shard,
         W[rows, cols] + scale * B[rows] @ A[:, cols]."""
         if not in_place:
-            return super()._write_bucket(bucket, views, in_place)
+            return super().write_weight_bucket(bucket, views, in_place)
         state = self.model.state_dict()
         keys = self._hf_keys(state)
         for spec in bucket:

@@ -312,7 +312,7 @@ class MegatronPolicyWorker(PolicyWorker):
     def _local_weights(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.params.items()}
 
-    def _export_specs(self) -> list[TensorSpec]:
+    def weight_specs(self) -> list[TensorSpec]:
         return [TensorSpec(e.hf, tuple(e.shape), torch.float32) for e in self.entries.values()]
 
     def _gather_hf(self, names: list[str], local: dict[str, torch.Tensor],
@@ -347,7 +347,7 @@ class MegatronPolicyWorker(PolicyWorker):
             return self.sharded.main_weights()
         return {n: p.detach() for n, p in self.main.items()}
 
-    def _export_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+    def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Full HF tensors in fp32: trainable weights from _main_weights, frozen ones from the model; with LoRA
         each targeted weight merged, W + scale * B A, on the local shard before the gather."""
         local = self._main_weights()
