@@ -5,13 +5,13 @@ import json
 import os
 
 import pytest
-from test_bad_input import ROOT, one_error_line, user_console  # noqa: F401  (user_console: a fixture)
+from test_bad_input import ROOT, one_error_line
 
 from nemo_grpo.validation import load_eval_config
 
 
 @pytest.fixture
-def evaluate(tmp_path, capsys, monkeypatch, user_console):  # noqa: F811
+def evaluate(tmp_path, capsys, monkeypatch, user_console):
     """evaluate(*overrides) -> the one error line of `python -m nemo_grpo.eval ...` (outputs under tmp_path)."""
     from nemo_grpo.eval import main
 
