@@ -29,8 +29,10 @@ def test_eval_entry_point(user_console, ray_cluster, tmp_path, capsys):
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert f"pass@{K}" in table and "<- eval.metric" in table and "cons@2" in table
-    rows = [json.loads(line) for line in open(tmp_path / "samples.jsonl", encoding="utf-8")]
-    summary = json.load(open(tmp_path / "summary.json", encoding="utf-8"))
+    with open(tmp_path / "samples.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    with open(tmp_path / "summary.json", encoding="utf-8") as f:
+        summary = json.load(f)
     check_outputs(rows, summary)
     check_definitions(rows, summary["metrics"])
 

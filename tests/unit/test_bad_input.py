@@ -8,7 +8,6 @@ case checks that Ray is not running. tests/functional/test_bad_input_e2e.py runs
 import logging
 import os
 import shutil
-import warnings
 
 import pytest
 
