@@ -449,6 +449,11 @@ def _need_eval_model(path: str, key: str) -> None:
               "build its policy)")
         problem = checkpoint_problem(path)
         _need(problem is None, key, f"checkpoint '{path}' is damaged: {problem}")
+        try:
+            read_config(os.path.join(path, CONFIG_YAML))  # the run's policy is built from it to export the weights
+        except ConfigError as e:
+            raise ConfigError(f"config key '{key}': the run's config in checkpoint '{path}' cannot be read: "
+                              f"{e}") from None
         return
     steps = sorted((n for n in (os.listdir(path) if os.path.isdir(path) else [])
                     if n.startswith(FINAL_PREFIX) and n[len(FINAL_PREFIX):].isdigit()),

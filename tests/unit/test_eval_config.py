@@ -49,6 +49,15 @@ def test_checkpoint_without_policy_names_the_key(evaluate, tmp_path):
                     "(policy/ is missing)")
 
 
+def test_checkpoint_whose_config_is_not_a_run_config_names_the_key(evaluate, tmp_path):
+    path = checkpoint(tmp_path / "ckpt", 5)
+    with open(os.path.join(path, "config.yaml"), "a") as f:
+        f.write("grpo: {no_such_key: 1}\n")
+    line = evaluate(f"policy.model_name={path}")
+    assert line.startswith(f"error: config key 'policy.model_name': the run's config in checkpoint '{path}'")
+    assert "grpo.no_such_key" in line
+
+
 def test_checkpoint_directory_asks_for_one_of_its_steps(evaluate, tmp_path):
     for step in (20, 100):
         checkpoint(tmp_path / "ckpt", step)
