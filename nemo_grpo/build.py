@@ -1,25 +1,29 @@
-"""Build every component of a GRPO run from a validated config (Ray actors included)."""
+"""Build every component of a GRPO run (build_trainer) or of an evaluation (build_evaluator) from a validated
+config (Ray actors included)."""
 
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from transformers import AutoTokenizer
 
+from nemo_grpo.algorithms.evaluation import Evaluator
 from nemo_grpo.algorithms.grpo import GRPOTrainer, RunActors
-from nemo_grpo.config import MasterConfig, to_dict
+from nemo_grpo.config import EvalMasterConfig, MasterConfig, read_config, to_dict
 from nemo_grpo.data.datasets import load_problems
 from nemo_grpo.data.prompts import PromptLoader, build_prompts, read_prompt_files
 from nemo_grpo.distributed.cluster import init_ray
 from nemo_grpo.distributed.resource_plan import plan_resources, reserve
 from nemo_grpo.envs import create_env
+from nemo_grpo.errors import DataError
 from nemo_grpo.generation import make_generation_engine
 from nemo_grpo.models.builtin import resolve_model_path
 from nemo_grpo.models.files import check_model_dir
 from nemo_grpo.policy import Policy
-from nemo_grpo.utils.checkpoint import CheckpointManager
+from nemo_grpo.utils.checkpoint import CONFIG_YAML, POLICY_DIR, TRAINING_INFO, CheckpointManager
 from nemo_grpo.utils.logger import Logger
 from nemo_grpo.validation import validate_model_layout
 
@@ -122,3 +126,55 @@ def build_trainer(cfg: MasterConfig, *, log_to_driver: bool = True, start=start_
     init_ray(log_to_driver=log_to_driver)
     return GRPOTrainer(cfg, tokenizer=tokenizer, actors=start(cfg, model_path), loader=loader, val_datums=val,
                        logger=logger, checkpointer=checkpointer)
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
+def export_checkpoint(path: str, out_dir: str) -> str:
+    """A training checkpoint's step_N as a Hugging Face directory `out_dir`: the run's policy (its config.yaml:
+    model, back end, layout, LoRA) starts on its share of the run's resource plan, loads the checkpoint and
+    saves itself (Policy.save_pretrained: the tokenizer files come along). Ray must be running."""
+    run = read_config(os.path.join(path, CONFIG_YAML))
+    base = resolve_model_path(run.policy.model_name, seed=0)
+    placement = plan_resources(run).placements["policy"]
+    log.info("exporting checkpoint %s to %s (%d %s worker(s))", path, out_dir, placement.world_size,
+             run.policy.backend)
+    policy = Policy(run.policy, placement.as_cluster(run.cluster.num_threads_per_worker), base, seed=run.grpo.seed)
+    try:
+        policy.load_checkpoint(os.path.join(path, POLICY_DIR))
+        policy.save_pretrained(out_dir)
+    finally:
+        policy.shutdown()
+    return out_dir
+
+
+def eval_problems(cfg: EvalMasterConfig) -> list:
+    """The raw evaluation problems (data.*) and its prompt files read; an empty data set names data.data_path."""
+    problems = load_problems(cfg.data, "data")
+    read_prompt_files(cfg.data, "data")
+    if not problems:
+        raise DataError(f"config key 'data.data_path': the data set {cfg.data.data_path or cfg.data.dataset_name} "
+                        "has no rows")
+    return problems
+
+
+def build_evaluator(cfg: EvalMasterConfig, *, log_to_driver: bool = True) -> Evaluator:
+    """The Evaluator of a validated eval config. The data set is read first (its errors come before Ray starts);
+    a checkpoint's step_N is exported to <eval.save_path>/model; then the environment and the engine start.
+    Prompts: the first eval.max_num_prompts that fit data.max_input_seq_length."""
+    os.makedirs(cfg.eval.save_path, exist_ok=True)
+    problems = eval_problems(cfg)
+    name = cfg.policy.model_name
+    if os.path.isfile(os.path.join(name, TRAINING_INFO)):  # a training checkpoint's step_N
+        init_ray(log_to_driver=log_to_driver)
+        model_path = export_checkpoint(name, os.path.join(cfg.eval.save_path, "model"))
+    else:
+        model_path = resolve_model_path(name, seed=0)
+        check_model_dir(model_path, "policy.model_name")
+    tokenizer = load_tokenizer(cfg, model_path)
+    datums, _ = build_prompts(problems, tokenizer, cfg.data, cfg.data.max_input_seq_length, "data")
+    init_ray(log_to_driver=log_to_driver)
+    envs = {cfg.data.env_name: create_env(cfg.data.env_name, getattr(cfg.env, cfg.data.env_name))}
+    engine = make_generation_engine(cfg.policy.generation, model_path, cfg.cluster)
+    ray.get([e.__ray_ready__.remote() for e in envs.values()])
+    return Evaluator(cfg, tokenizer=tokenizer, engine=engine, envs=envs, datums=datums[: cfg.eval.max_num_prompts],
+                     model_path=model_path)

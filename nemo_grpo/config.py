@@ -447,6 +447,40 @@ class RMEvalConfig:
     data_path: str = ""  # JSONL of preference pairs with a "subset" per row, or builtin:addition
 
 
+# ----------------------------------------------------------------------------------------------- evaluation
+@dataclass
+class EvalConfig:
+    """eval: python -m nemo_grpo.eval (NeMo RL's eval keys: metric, num_tests_per_prompt, k_value, seed, save_path)."""
+    metric: str = "pass@k"  # pass@k | cons@k: the headline score (both are always reported)
+    num_tests_per_prompt: int = 1  # samples per prompt (n)
+    k_value: int = 1  # the k of pass@k and cons@k; at most num_tests_per_prompt
+    seed: int = 42  # sampling seed of the first generation call (the next ones: seed + 1, ...)
+    save_path: str = "results/eval"  # directory for samples.jsonl, summary.json and run.log
+    num_prompts_per_step: int = 64  # prompts per generation call (each with its num_tests_per_prompt samples)
+    max_num_prompts: Optional[int] = None  # only the first N prompts of the data set; null: all
+    max_rollout_turns: int = 1  # turns per sample (multi-turn environments)
+    progress_bar: bool = True
+
+
+@dataclass
+class EvalDataConfig(DatasetConfig):
+    """data for evaluation: the keys of one training split (data.train.*), and the prompt length limit."""
+    max_input_seq_length: int = 8  # longer prompts are dropped (counted in the log)
+
+
+@dataclass
+class EvalMasterConfig:
+    """python -m nemo_grpo.eval: a model (policy.model_name: an HF directory, builtin:..., or a training
+    checkpoint's step_N) generating on a data set, scored by its environment. Generation settings are
+    policy.generation's; temperature 0 decodes greedily (NeMo RL's eval default)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(
+        generation=GenerationConfig(temperature=0.0)))
+    data: EvalDataConfig = field(default_factory=EvalDataConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
 TOP_LEVEL_SECTIONS = {
     "policy": "model, back end (policy.backend), batch sizes, optimizer, parallelism, generation engine",
     "loss_fn": "clipped policy-gradient loss: clipping, KL to the reference, importance sampling",

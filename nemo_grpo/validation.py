@@ -7,6 +7,7 @@ the key, before anything is built:
     cfg = load_config("configs/grpo_tiny_cpu.yaml", ["grpo.max_num_steps=50"])   # MasterConfig, validated
     cfg = load_config(path, overrides, files=False)          # planning before models or data are downloaded
     cfg = load_rm_train_config(path, overrides)              # RMTrainConfig (python -m nemo_grpo.train_rm)
+    cfg = load_eval_config(path, overrides)                  # EvalMasterConfig (python -m nemo_grpo.eval)
 
 The entry points import this module before they parse a config, so it imports transformers (and models.builtin,
 which imports it) inside the checks that need them, not at the top.
@@ -22,8 +23,8 @@ from nemo_grpo.algorithms.advantages import ESTIMATORS
 from nemo_grpo.algorithms.losses import LOSSES, check_loss_config
 from nemo_grpo.backends import BACKENDS
 from nemo_grpo.backends.batching import PACKING_ALGORITHMS
-from nemo_grpo.config import (BUILTIN_MODEL_PREFIX, DatasetConfig, MasterConfig, PolicyConfig,
-                              RewardModelEnvConfig, RMEvalConfig, RMTrainConfig, read_config)
+from nemo_grpo.config import (BUILTIN_MODEL_PREFIX, DatasetConfig, EnvConfig, EvalMasterConfig, MasterConfig,
+                              PolicyConfig, RewardModelEnvConfig, RMEvalConfig, RMTrainConfig, read_config)
 from nemo_grpo.distributed.resource_plan import plan_resources
 from nemo_grpo.envs import ENVIRONMENTS
 from nemo_grpo.errors import ConfigError
@@ -33,6 +34,7 @@ from nemo_grpo.layout import ParallelLayout, backend_layout, check_inactive_degr
 from nemo_grpo.models.files import check_model_dir
 from nemo_grpo.models.lora import validate_lora
 from nemo_grpo.models.spec import check_divisible, check_rope
+from nemo_grpo.utils.checkpoint import CONFIG_YAML, FINAL_PREFIX, POLICY_DIR, TRAINING_INFO, checkpoint_problem
 
 PRECISIONS = ["float32", "bfloat16"]
 
@@ -203,10 +205,12 @@ def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "polic
         check_divisible(hf, p.dtensor_cfg.tensor_parallel_size, 1, f"{prefix}.dtensor_cfg.tensor_parallel_size")
 
 
-def _validate_generation(g) -> None:
+def _validate_generation(g, greedy_ok: bool = False) -> None:
+    """greedy_ok: temperature 0 means greedy decoding (evaluation); training samples need temperature > 0."""
     key = "policy.generation."
     _choice(g.backend, key + "backend", ["torch", "vllm"])
-    _positive(g.temperature, key + "temperature")
+    _need(g.temperature > 0 or (greedy_ok and g.temperature == 0), key + "temperature",
+          f"must be > 0{' (or 0: greedy)' if greedy_ok else ''}, got {g.temperature}")
     _need(0 < g.top_p <= 1, key + "top_p", f"must be in (0, 1], got {g.top_p}")
     _positive(g.top_k, key + "top_k", nullable=True)
     _positive(g.max_new_tokens, key + "max_new_tokens")
@@ -319,32 +323,42 @@ def _validate_reward_shaping(cfg: MasterConfig) -> None:
               f"must be >= 0, got {r.overlong_buffer_penalty}")
 
 
+def _validate_dataset(ds: DatasetConfig, env: EnvConfig, section: str, files: bool) -> None:
+    """One data set's environment (named, configured, enabled) and prompt files; `section` is its key
+    ("data.train", or "data" for evaluation)."""
+    _choice(ds.env_name, f"{section}.env_name", sorted(ENVIRONMENTS))
+    env_cfg = getattr(env, ds.env_name, None)
+    _need(env_cfg is not None and getattr(env_cfg, "active", True), f"env.{ds.env_name}",
+          f"{section}.env_name is '{ds.env_name}' but env.{ds.env_name} is null or disabled")
+    for key in ("prompt_file", "system_prompt_file"):
+        path = getattr(ds, key)
+        _need(path is None or not files or os.path.isfile(path), f"{section}.{key}", f"file not found: {path}")
+
+
 def _validate_data_env(cfg: MasterConfig, files: bool) -> None:
     d = cfg.data
     _positive(d.max_input_seq_length, "data.max_input_seq_length")
     for split in ("train", "validation"):
         ds: Optional[DatasetConfig] = getattr(d, split)
-        if ds is None:
-            continue
-        _choice(ds.env_name, f"data.{split}.env_name", sorted(ENVIRONMENTS))
-        env = getattr(cfg.env, ds.env_name, None)
-        _need(env is not None and getattr(env, "active", True), f"env.{ds.env_name}",
-              f"data.{split}.env_name is '{ds.env_name}' but env.{ds.env_name} is null or disabled")
-        for key in ("prompt_file", "system_prompt_file"):
-            path = getattr(ds, key)
-            _need(path is None or not files or os.path.isfile(path), f"data.{split}.{key}", f"file not found: {path}")
+        if ds is not None:
+            _validate_dataset(ds, cfg.env, f"data.{split}", files)
     rm = cfg.env.reward_model
     if rm is not None and rm.active:
         _validate_reward_model(rm, plan_resources(cfg).placements["reward_model"].world_size, files)
-    if cfg.env.code is not None:
-        c = cfg.env.code
+    _validate_env_sections(cfg.env)
+
+
+def _validate_env_sections(env: EnvConfig) -> None:
+    """The code and math environments' own values."""
+    if env.code is not None:
+        c = env.code
         _positive(c.num_workers, "env.code.num_workers")
         _choice(c.reward_mode, "env.code.reward_mode", ["fraction", "all_or_nothing"])
         for key in ("timeout_s", "cpu_s", "memory_mb", "max_output_bytes"):
             _positive(getattr(c, key), f"env.code.{key}")
-    if cfg.env.math is not None:
-        _positive(cfg.env.math.num_workers, "env.math.num_workers")
-        _positive(cfg.env.math.timeout_s, "env.math.timeout_s")
+    if env.math is not None:
+        _positive(env.math.num_workers, "env.math.num_workers")
+        _positive(env.math.timeout_s, "env.math.timeout_s")
 
 
 def _validate_reward_model(r: RewardModelEnvConfig, world: int, files: bool = True,
@@ -386,3 +400,66 @@ def validate_rm_train(cfg: RMTrainConfig) -> None:
     _need(cfg.rm.val_period >= 0, "rm.val_period", "must be >= 0 (0: validate only at the end)")
     _need(cfg.data.max_seq_length > 1, "data.max_seq_length", "must be > 1")
     _positive(cfg.checkpointing.save_period, "checkpointing.save_period")
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
+def load_eval_config(path: str | None = None, overrides: list[str] | None = None) -> EvalMasterConfig:
+    cfg = read_config(path, overrides, schema=EvalMasterConfig)
+    validate_eval(cfg)
+    return cfg
+
+
+def validate_eval(cfg: EvalMasterConfig, files: bool = True) -> None:
+    """The eval keys, the model (an HF directory, builtin:..., or a checkpoint's step_N), generation, data."""
+    e, p = cfg.eval, cfg.policy
+    _choice(e.metric, "eval.metric", ["pass@k", "cons@k"])
+    for key in ("num_tests_per_prompt", "k_value", "num_prompts_per_step", "max_rollout_turns"):
+        _positive(getattr(e, key), f"eval.{key}")
+    _positive(e.max_num_prompts, "eval.max_num_prompts", nullable=True)
+    _need(e.k_value <= e.num_tests_per_prompt, "eval.k_value",
+          f"{e.k_value} > eval.num_tests_per_prompt ({e.num_tests_per_prompt}): pass@k and cons@k take k of the "
+          "samples of each prompt; raise eval.num_tests_per_prompt or lower eval.k_value")
+    _need(bool(e.save_path), "eval.save_path", "is required (the directory for samples.jsonl and summary.json)")
+    if files:
+        _need_eval_model(p.model_name, "policy.model_name")
+    _validate_generation(p.generation, greedy_ok=True)
+    _positive(cfg.data.max_input_seq_length, "data.max_input_seq_length")
+    total = cfg.data.max_input_seq_length + p.generation.max_new_tokens * e.max_rollout_turns
+    _need(total <= p.max_total_sequence_length, "policy.max_total_sequence_length",
+          f"{p.max_total_sequence_length} < data.max_input_seq_length ({cfg.data.max_input_seq_length}) + "
+          f"policy.generation.max_new_tokens ({p.generation.max_new_tokens}) x eval.max_rollout_turns "
+          f"({e.max_rollout_turns}) = {total}")
+    _validate_dataset(cfg.data, cfg.env, "data", files)
+    _need(cfg.data.env_name != "reward_model", "data.env_name", "the reward-model environment is not built for "
+          "evaluation yet; use math or code")
+    _need_data_file(None if cfg.data.dataset_name != "ResponseDataset" else cfg.data.data_path, "data.data_path")
+    _validate_env_sections(cfg.env)
+    for key in ("gpus_per_node", "num_nodes", "num_threads_per_worker"):
+        _positive(getattr(cfg.cluster, key), f"cluster.{key}")
+
+
+def _need_eval_model(path: str, key: str) -> None:
+    """A model to evaluate: a training checkpoint's step_N (complete, with its policy and the run's config),
+    or a model directory / builtin: name as training takes it."""
+    if os.path.isfile(os.path.join(path, TRAINING_INFO)):
+        _need(os.path.isdir(os.path.join(path, POLICY_DIR)), key,
+              f"'{path}' is a training checkpoint without its policy ({POLICY_DIR}/ is missing)")
+        _need(os.path.isfile(os.path.join(path, CONFIG_YAML)), key,
+              f"'{path}' is a training checkpoint without {CONFIG_YAML} (the run's config, which says how to "
+              "build its policy)")
+        problem = checkpoint_problem(path)
+        _need(problem is None, key, f"checkpoint '{path}' is damaged: {problem}")
+        try:
+            read_config(os.path.join(path, CONFIG_YAML))  # the run's policy is built from it to export the weights
+        except ConfigError as e:
+            raise ConfigError(f"config key '{key}': the run's config in checkpoint '{path}' cannot be read: "
+                              f"{e}") from None
+        return
+    steps = sorted((n for n in (os.listdir(path) if os.path.isdir(path) else [])
+                    if n.startswith(FINAL_PREFIX) and n[len(FINAL_PREFIX):].isdigit()),
+                   key=lambda n: int(n[len(FINAL_PREFIX):]))
+    _need(not steps or os.path.isfile(os.path.join(path, "config.json")), key,
+          f"'{path}' is a checkpoint directory; name one of its checkpoints, e.g. {os.path.join(path, steps[-1])}"
+          if steps else "")
+    _need_model_dir(path, key, "a Hugging Face model directory, builtin:tiny-addition, or a training "
+                    "checkpoint's step_N")

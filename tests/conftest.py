@@ -1,6 +1,9 @@
-"""Session-wide fixtures: one Ray cluster, one set of tiny models and one built-in model cache per test session."""
+"""Session-wide fixtures: one Ray cluster, one set of tiny models and one built-in model cache per test session;
+user_console, which undoes what an entry point run in-process does to logging."""
 
+import logging
 import os
+import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -52,3 +55,28 @@ def builtin_model_cache(tmp_path_factory):
         os.environ.pop("NEMO_GRPO_CACHE")
     else:
         os.environ["NEMO_GRPO_CACHE"] = old
+
+
+@pytest.fixture
+def user_console():
+    """Undo what an entry point does to this process's logging (root handlers and level, the third-party
+    loggers quiet_libraries reroutes, logging.captureWarnings) and warnings filters, so that no other test of
+    the session sees it."""
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    loggers = {name: (list(lg.handlers), lg.propagate) for name, lg in logging.root.manager.loggerDict.items()
+               if isinstance(lg, logging.Logger)}
+    captured = getattr(warnings.showwarning, "__module__", None) == "logging"
+    with warnings.catch_warnings():  # restores the filters and warnings.showwarning on exit
+        yield
+        if not captured:
+            logging.captureWarnings(False)
+    for handler in root.handlers:
+        if handler not in saved[0]:
+            handler.close()
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    for name, lg in list(logging.root.manager.loggerDict.items()):
+        if isinstance(lg, logging.Logger):
+            handlers, propagate = loggers.get(name, (lg.handlers, lg.propagate))
+            lg.handlers[:], lg.propagate = handlers, propagate

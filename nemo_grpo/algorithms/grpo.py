@@ -24,11 +24,13 @@ from nemo_grpo.algorithms.advantages import dynamic_sampling_keep, estimate_adva
 from nemo_grpo.algorithms.async_rollouts import GenerationFailed, RolloutCollector, Rollouts
 from nemo_grpo.algorithms.kl import generation_mismatch_metrics, sequence_kl
 from nemo_grpo.algorithms.losses import make_loss
-from nemo_grpo.algorithms.rollout import Sample, collate, run_rollouts
+from nemo_grpo.algorithms.metrics import sample_metrics
+from nemo_grpo.algorithms.rollout import Sample, collate, prompt_text, response_text, run_rollouts
 from nemo_grpo.backends.batching import loss_mask
 from nemo_grpo.config import MasterConfig, to_yaml
 from nemo_grpo.distributed.resource_plan import release
 from nemo_grpo.models import lora
+from nemo_grpo.utils.checkpoint import POLICY_DIR
 from nemo_grpo.weights.refit import make_refitter
 from nemo_grpo.utils.timer import Timer
 
@@ -56,11 +58,8 @@ def format_samples(samples: list[Sample], n: int) -> str:
     """The first n samples as text for a person: prompt, response (every turn after the prompt) and reward."""
     blocks = []
     for i, s in enumerate(samples[:n]):
-        prompt = s.datum.message_log[-1]["content"] if s.datum.message_log else ""
-        turns = s.message_log[len(s.datum.message_log):]
-        response = "\n".join(m["content"] if m["role"] == "assistant" else f"[{m['role']}] {m['content']}"
-                             for m in turns)
-        blocks.append(f"sample {i + 1} | reward {s.reward:.3f}\n  prompt:   {prompt!r}\n  response: {response!r}")
+        blocks.append(f"sample {i + 1} | reward {s.reward:.3f}\n  prompt:   {prompt_text(s)!r}\n"
+                      f"  response: {response_text(s)!r}")
     return "\n".join(blocks)
 
 
@@ -308,7 +307,8 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
-        """Greedy decoding of up to grpo.max_val_samples validation prompts: val/accuracy = mean reward."""
+        """Greedy decoding of up to grpo.max_val_samples validation prompts, scored by the metrics of
+        `python -m nemo_grpo.eval` (algorithms/metrics.py): val/accuracy = mean reward, val/pass@1, ..."""
         g = self.cfg.grpo
         datums = self.val_datums[: g.max_val_samples]
         if not datums:  # grpo.max_val_samples=0
@@ -317,9 +317,7 @@ class GRPOTrainer:
         with self._generation_phase():
             for start in range(0, len(datums), g.val_batch_size):
                 samples += self._rollout(datums[start : start + g.val_batch_size], seed=g.seed, greedy=True)
-        rewards, lengths = [s.reward for s in samples], [s.response_length for s in samples]
-        metrics = {"accuracy": sum(rewards) / len(rewards), "mean_response_length": sum(lengths) / len(lengths),
-                   "num_samples": float(len(rewards))}
+        metrics = sample_metrics(samples, n=1)  # one greedy sample per prompt: accuracy, pass@1, cons@1, lengths
         self.state.val_metrics = metrics
         self.val_history.append((self.state.step, metrics["accuracy"]))
         self.logger.log_metrics(metrics, self.state.step, prefix="val")
@@ -343,7 +341,7 @@ class GRPOTrainer:
         info = {"step": self.state.step, "consumed_prompts": self.state.consumed_prompts,
                 "loader": self.state.loader, "metrics": {f"val:{k}": v for k, v in self.state.val_metrics.items()}}
         tmp = self.checkpointer.init_tmp_checkpoint(self.state.step, info, to_yaml(self.cfg))
-        self.policy.save_checkpoint(os.path.join(tmp, "policy"))
+        self.policy.save_checkpoint(os.path.join(tmp, POLICY_DIR))
         self.last_checkpoint = self.checkpointer.finalize_checkpoint(tmp)
         if self.collector is not None:
             log.info("checkpoint at step %d: rollouts in flight (%d step(s) done, and any under way) are not saved; "
@@ -360,7 +358,7 @@ class GRPOTrainer:
             return None
         info = self.checkpointer.load_training_info(path)
         lora.check_resumable(self.checkpointer.load_config(path).get("policy", {}), self.cfg.policy.lora, path)
-        self.policy.load_checkpoint(os.path.join(path, "policy"))
+        self.policy.load_checkpoint(os.path.join(path, POLICY_DIR))
         self.state = GRPOState(step=info["step"], consumed_prompts=info["consumed_prompts"], loader=info["loader"],
                                val_metrics={k[len("val:"):]: v for k, v in info.get("metrics", {}).items()})
         self.loader.load_state_dict(info["loader"])

@@ -38,6 +38,17 @@ class Sample:
     text: str = field(default="")
 
 
+def prompt_text(s: Sample) -> str:
+    """The prompt's last message (the problem as the model saw it, before the chat template)."""
+    return s.datum.message_log[-1]["content"] if s.datum.message_log else ""
+
+
+def response_text(s: Sample) -> str:
+    """Every turn after the prompt: the model's replies, environment turns marked `[role] `."""
+    turns = s.message_log[len(s.datum.message_log):]
+    return "\n".join(m["content"] if m["role"] == "assistant" else f"[{m['role']}] {m['content']}" for m in turns)
+
+
 def new_sample(datum: Datum) -> Sample:
     ids = list(datum.prompt_ids)
     return Sample(datum=datum, token_ids=ids, token_mask=[0.0] * len(ids), generation_logprobs=[0.0] * len(ids),

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 TRAINING_INFO = "training_info.json"
 CONFIG_YAML = "config.yaml"
+POLICY_DIR = "policy"  # the policy's sharded state (Policy.save_checkpoint) inside step_<N>
 MANIFEST = "manifest.json"  # relative path -> bytes of every other file, written by finalize_checkpoint
 FORMAT_KEY = "checkpoint_format"  # in training_info.json: 2 = this checkpoint was finalized with a manifest
 FORMAT = 2

@@ -8,7 +8,6 @@ case checks that Ray is not running. tests/functional/test_bad_input_e2e.py runs
 import logging
 import os
 import shutil
-import warnings
 
 import pytest
 
@@ -17,31 +16,6 @@ from nemo_grpo.utils.cli import EXIT_USER_ERROR, configure_console, error_line, 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JSONL = "data.train.dataset_name=ResponseDataset"
-
-
-@pytest.fixture
-def user_console():
-    """Undo what an entry point does to this process's logging (root handlers and level, the third-party
-    loggers quiet_libraries reroutes, logging.captureWarnings) and warnings filters, so that no other test of
-    the session sees it."""
-    root = logging.getLogger()
-    saved = (list(root.handlers), root.level)
-    loggers = {name: (list(lg.handlers), lg.propagate) for name, lg in logging.root.manager.loggerDict.items()
-               if isinstance(lg, logging.Logger)}
-    captured = getattr(warnings.showwarning, "__module__", None) == "logging"
-    with warnings.catch_warnings():  # restores the filters and warnings.showwarning on exit
-        yield
-        if not captured:
-            logging.captureWarnings(False)
-    for handler in root.handlers:
-        if handler not in saved[0]:
-            handler.close()
-    root.handlers[:] = saved[0]
-    root.setLevel(saved[1])
-    for name, lg in list(logging.root.manager.loggerDict.items()):
-        if isinstance(lg, logging.Logger):
-            handlers, propagate = loggers.get(name, (lg.handlers, lg.propagate))
-            lg.handlers[:], lg.propagate = handlers, propagate
 
 
 @pytest.fixture

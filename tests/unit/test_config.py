@@ -113,6 +113,12 @@ def test_every_recipe_validates(recipe, tiny_model_dir):
         cfg = load_rm_train_config(recipe)
         assert cfg.data.train_data_path
         return
+    if os.path.basename(recipe).startswith("eval_"):
+        from nemo_grpo.validation import load_eval_config
+
+        cfg = load_eval_config(recipe)
+        assert cfg.eval.k_value <= cfg.eval.num_tests_per_prompt
+        return
     overrides = []
     for key, model in (("policy.model_name", tiny_model_dir("qwen2")),
                        ("env.reward_model.model_name", tiny_model_dir("qwen2", scalar_head=True))):

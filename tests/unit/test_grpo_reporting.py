@@ -132,6 +132,21 @@ def test_validation_prints_num_val_samples_to_print(n):
         assert text == format_samples(done, min(n, 3)) and text.count("sample ") == min(n, 3)
 
 
+def test_validation_reports_the_eval_metrics():
+    """val/* are python -m nemo_grpo.eval's metrics (one greedy sample per prompt), `accuracy` kept."""
+    trainer = bare_trainer(grpo={"max_val_samples": 4})
+    trainer.cfg.policy.generation.colocated.enabled = False
+    trainer.logger, trainer.val_datums = FakeLogger(), [None] * 4
+    done = [sample("math", f"{i}+1=", "x" * (i + 1), float(i < 3)) for i in range(4)]
+    done[3].truncated = True
+    trainer._rollout = lambda datums, seed, greedy: done[: len(datums)]
+    metrics = trainer.validate()
+    assert metrics == pytest.approx({"accuracy": 0.75, "pass@1": 0.75, "cons@1": 0.0,  # no extracted answers
+                                     "mean_response_length": 2.5, "fraction_truncated": 0.25, "num_prompts": 4.0,
+                                     "num_samples": 4.0})
+    assert trainer.logger.metrics == [("val", 0, metrics)]
+
+
 # ----------------------------------------------------------------------------------------------- summary
 def test_summary_line():
     trainer = bare_trainer()
