@@ -2,12 +2,18 @@
 # make test        : set up .venv and run the whole test suite (what CI runs)
 # make test-quick  : the suite without the slow end-to-end runs
 # make test-unit   : tests/unit alone: no Ray, no vLLM, no subprocess, no process group (well under a minute)
+# make setup-bench : .venv with the benchmarks' extras too (TRL for bench/grpo_vs_trl.py), through scripts/setup.sh
 PY := .venv/bin/python
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup train test test-quick test-unit
+.PHONY: setup setup-bench train test test-quick test-unit
 setup:
 	bash scripts/setup.sh
+
+# the CPU set's clean-up (scripts/setup.sh) must run after TRL's install too: a bare `pip install -e '.[cpu,bench]'`
+# brings back torchvision/torchaudio, and then `import transformers` fails ("operator torchvision::nms does not exist")
+setup-bench:
+	NEMO_GRPO_EXTRAS=$${NEMO_GRPO_EXTRAS:-cpu,mcore,test,smollm2},bench bash scripts/setup.sh
 
 train: setup
 	$(PY) -m nemo_grpo.train $(ARGS)
