@@ -1,6 +1,6 @@
 """nemo_grpo (vLLM engine, torch engine) against TRL's GRPOTrainer on the same tiny GRPO run, on this CPU.
 
-    python bench/grpo_vs_trl.py --steps 30            # needs the bench extra: pip install -e '.[cpu,bench]'
+    python bench/grpo_vs_trl.py --steps 30            # needs the bench extra: make setup-bench
     python bench/grpo_vs_trl.py --steps 30 --only torch trl
     python bench/grpo_vs_trl.py --model builtin:smollm2-135m-instruct --prompts 4 --group 4 --max-new-tokens 64 \
         --steps 6 --warmup 1 --only trl vllm async      # the real checkpoint: longer answers, compute dominates
