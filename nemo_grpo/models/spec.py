@@ -8,6 +8,7 @@ end maps these names onto its own parameters (backends/mcore/weights.py); the pl
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,15 +25,20 @@ class RopeScaling:
       llama3  Llama 3.1+: frequencies below original_max_positions / low_freq_factor divided by factor, above
               original_max_positions / high_freq_factor kept, smoothly blended between (Megatron's
               RotaryEmbedding._apply_scaling, which HF's _compute_llama3_parameters matches)
-      linear  positions divided by factor (Megatron's seq_len_interpolation_factor)"""
+      linear  positions divided by factor (Megatron's seq_len_interpolation_factor)
+      yarn    YaRN (https://arxiv.org/abs/2309.00071): inv_freq and attention_factor as Hugging Face's own
+              _compute_yarn_parameters gives them for the config (beta_fast/beta_slow ramp between
+              interpolated and extrapolated frequencies; mscale, mscale_all_dim or attention_factor, truncate)"""
     kind: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_positions: int = 8192
+    inv_freq: Optional[tuple] = None  # yarn: the rotary inverse frequencies [head_dim / 2], fp32 values
+    attention_factor: float = 1.0  # yarn: HF multiplies cos and sin by it, so q.k by its square
 
 
-MEGATRON_ROPE = ("default", "llama3", "linear")
+MEGATRON_ROPE = ("default", "llama3", "linear", "yarn")
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,20 @@ def _rope_scaling(cfg, strict: bool, model_key: str) -> Optional[RopeScaling]:
                            float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
     if kind == "linear":
         return RopeScaling(kind, float(params["factor"]))
+    if kind == "yarn":
+        return _yarn(cfg, params)
     return None
+
+
+def _yarn(cfg, params: dict) -> RopeScaling:
+    """rope_type yarn: the frequencies [head_dim / 2] and attention factor from transformers' own function."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # here: validation imports spec early
+
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](copy.deepcopy(cfg))  # it standardizes the config
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or cfg.max_position_embeddings / original  # HF's default when factor is None
+    return RopeScaling("yarn", float(factor), original_max_positions=original,
+                       inv_freq=tuple(inv_freq.float().tolist()), attention_factor=float(attention_factor))
 
 
 def check_divisible(cfg, tp: int, pp: int, tp_key: str, pp_key: Optional[str] = None) -> None:

@@ -1,26 +1,27 @@
-"""RoPE scaling on the Megatron back end (Llama 3.1+ `llama3`, `linear`) against Hugging Face.
+"""RoPE scaling on the Megatron back end (Llama 3.1+ `llama3`, `linear`, `yarn`) against Hugging Face.
 
 Tiny Llama models whose HF config carries `rope_scaling`, with rows longer than original_max_position_embeddings
 (64, rows up to 80 tokens) so that the scaled frequencies matter: of the 16 frequencies of head_dim 32 at
 rope_theta 10000, 3 are kept, 2 are blended and 11 divided by the factor. The llama3 parameters differ from
 Llama 3.1's (factor 8, 1, 4, 8192), which GPTModel's own rope_scaling flag would assume.
+
+YaRN on a tiny Qwen3 (q/k norms before the rotation), factor 4 over 64 original positions, rows of 240 tokens.
+(A type the Megatron back end does not build is a ConfigError: tests/unit/test_rope_spec.py.)
 """
 
 import json
 
 import pytest
 import torch
-from policy_checks import assert_logprobs_match_hf, check_train_parity, hf_logprobs, load_hf, make_batch, policy_config
+from policy_checks import assert_logprobs_match_hf, check_train_parity, hf_logprobs, load_hf, make_batch
 from test_mcore_policy import megatron_policy
 
-from nemo_grpo.errors import ConfigError
-from nemo_grpo.models.spec import model_spec
-from nemo_grpo.models.tiny import tiny_config
-from nemo_grpo.validation import validate_model_layout
 
 LLAMA3 = dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=2.0,
               original_max_position_embeddings=64)
 LONG = 80  # > original_max_position_embeddings
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+YARN_LONG = 240  # > 3 x original_max_position_embeddings; max_position_embeddings 256 = factor x original
 
 
 def scaled_llama(tiny_model_dir, rope_scaling: dict) -> str:
@@ -28,14 +29,24 @@ def scaled_llama(tiny_model_dir, rope_scaling: dict) -> str:
                           rope_scaling=rope_scaling)
 
 
+def yarn_qwen3(tiny_model_dir) -> str:
+    return tiny_model_dir("qwen3", num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=256,
+                          rope_scaling=YARN)
+
+
+def with_rope(model, rope: dict):
+    """The HF model with its rotary embedding rebuilt for other RoPE parameters (same weights), in eval mode."""
+    model.config.rope_parameters = dict(rope, rope_theta=10000.0)
+    model.model.rotary_emb.__init__(model.config)
+    return model.eval()
+
+
 def test_scaling_changes_the_logprobs(tiny_model_dir):
     """The parity below is not vacuous: HF's log-probs of the same weights without the scaling differ."""
     path = scaled_llama(tiny_model_dir, LLAMA3)
     batch = make_batch(3, seed=11, t=LONG)
     scaled = load_hf(path).eval()
-    plain = load_hf(path).eval()
-    plain.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-    plain.model.rotary_emb.__init__(plain.config)
+    plain = with_rope(load_hf(path), {"rope_type": "default"})
     with torch.no_grad():
         assert (hf_logprobs(scaled, batch) - hf_logprobs(plain, batch)).abs().max().item() > 1e-2
 
@@ -68,12 +79,24 @@ def test_linear_scaling_matches_hf(ray_cluster, tiny_model_dir):
         assert_logprobs_match_hf(policy, path, make_batch(4, seed=14, t=LONG))
 
 
-def test_rope_type_not_built_is_named_at_config_time(tiny_model_dir):
-    yarn = dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=64)
-    with pytest.raises(ConfigError, match="'policy.model_name': the model's rope_type 'yarn' is not built by the "
-                                          "megatron back end .*use policy.backend=dtensor"):
-        model_spec(tiny_config("llama", rope_scaling=yarn))
-    path = scaled_llama(tiny_model_dir, yarn)
-    with pytest.raises(ConfigError, match="'policy.model_name': the model's rope_type 'yarn'"):
-        validate_model_layout(policy_config(path, backend="megatron"), path)  # before any worker starts
-    validate_model_layout(policy_config(path, backend="dtensor"), path)  # DTensor runs HF's YaRN
+def test_yarn_changes_the_logprobs(tiny_model_dir):
+    """Both halves of YaRN move HF's own log-probs by more than 1e-2: the frequencies (against plain RoPE) and
+    the attention factor (against YaRN's frequencies with attention_factor 1), so the parity below checks both."""
+    path = yarn_qwen3(tiny_model_dir)
+    batch = make_batch(3, seed=15, t=YARN_LONG)
+    with torch.no_grad():
+        yarn = hf_logprobs(load_hf(path).eval(), batch)
+        plain = hf_logprobs(with_rope(load_hf(path), {"rope_type": "default"}), batch)
+        no_factor = hf_logprobs(with_rope(load_hf(path), dict(YARN, attention_factor=1.0)), batch)
+    print(f"YaRN moves HF's log-probs by {(yarn - plain).abs().max():.2e}, its attention factor by "
+          f"{(yarn - no_factor).abs().max():.2e}")
+    assert (yarn - plain).abs().max().item() > 1e-2
+    assert (yarn - no_factor).abs().max().item() > 1e-2
+
+
+def test_yarn_matches_hf(ray_cluster, tiny_model_dir):
+    """Log-probs within 1e-5 of HF's and one train step (two Adam steps) at TP=2 with sequence parallelism."""
+    path = yarn_qwen3(tiny_model_dir)
+    with megatron_policy(None, path, "tp2_sp", logprob_batch_size=4) as policy:
+        assert_logprobs_match_hf(policy, path, make_batch(5, seed=16, t=YARN_LONG))
+        check_train_parity(policy, path, make_batch(8, seed=17, t=YARN_LONG))

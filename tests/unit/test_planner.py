@@ -240,16 +240,20 @@ def test_vllm_without_room_for_a_sequence_is_rejected(capsys):
 def test_model_errors_name_the_key(capsys, tmp_path):
     megatron = os.path.join(ROOT, "configs", "grpo_math_8B_megatron.yaml")
     assert plan_main(["--config", megatron, "policy.model_name=/models/Llama-3.1-8B-Instruct"]) == 0  # llama3 RoPE
-    yarn = tmp_path / "Qwen2.5-1.5B-yarn"  # Qwen's long-context recipe: YaRN, which Megatron's GPT does not build
-    yarn.mkdir()
-    (yarn / "config.json").write_text(json.dumps(dict(KNOWN_MODELS["qwen2.5-1.5b"], rope_scaling=dict(
-        rope_type="yarn", factor=4.0, original_max_position_embeddings=32768))))
+    for kind, rope in (("yarn", dict(factor=4.0, original_max_position_embeddings=32768)),  # Qwen's long context
+                       ("dynamic", dict(factor=4.0))):  # dynamic NTK, which the Megatron back end does not build
+        path = tmp_path / f"Qwen2.5-1.5B-{kind}"
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(dict(KNOWN_MODELS["qwen2.5-1.5b"],
+                                                          rope_scaling=dict(rope_type=kind, **rope))))
+    assert plan_main(["--config", megatron, f"policy.model_name={tmp_path / 'Qwen2.5-1.5B-yarn'}"]) == 0
+    dynamic = tmp_path / "Qwen2.5-1.5B-dynamic"
     capsys.readouterr()
-    assert plan_main(["--config", megatron, f"policy.model_name={yarn}"]) == 2
-    assert "'policy.model_name': the model's rope_type 'yarn' is not built by the megatron back end" \
+    assert plan_main(["--config", megatron, f"policy.model_name={dynamic}"]) == 2
+    assert "'policy.model_name': the model's rope_type 'dynamic' is not built by the megatron back end" \
         in capsys.readouterr().err
     dtensor = os.path.join(ROOT, "configs", "grpo_math_8B_dtensor.yaml")  # any RoPE on DTensor
-    assert plan_main(["--config", dtensor, f"policy.model_name={yarn}"]) == 0
+    assert plan_main(["--config", dtensor, f"policy.model_name={dynamic}"]) == 0
     assert plan_main(["--config", megatron, "policy.model_name=/models/my-model"]) == 2
     assert "policy.model_name: '/models/my-model' has no config.json" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="tensor_model_parallel_size': 16 does not divide the model's "

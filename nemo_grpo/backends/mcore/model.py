@@ -61,7 +61,17 @@ def transformer_config(spec: ModelSpec, mcfg, dtype: torch.dtype):
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         calculate_per_token_loss=True,  # the schedule passes our loss contributions through undivided
-        **recompute)
+        softmax_scale=_softmax_scale(spec), **recompute)
+
+
+def _softmax_scale(spec: ModelSpec):
+    """None (Megatron's 1 / sqrt(head_dim)), or under YaRN 1 / sqrt(head_dim) x attention_factor^2: HF multiplies
+    cos and sin by attention_factor, hence rotated q and k each, hence q.k by its square. Carried by the softmax
+    scale it holds for every core attention (sdpa, unfused, TE) and equals HF's up to fp32 rounding."""
+    scaling = spec.rope_scaling
+    if scaling is None or scaling.attention_factor == 1.0:
+        return None
+    return spec.head_dim ** -0.5 * scaling.attention_factor ** 2
 
 
 def build_gpt(spec: ModelSpec, config, attention: str = "sdpa") -> nn.Module:
@@ -84,6 +94,8 @@ def build_gpt(spec: ModelSpec, config, attention: str = "sdpa") -> nn.Module:
         seq_len_interpolation_factor=_linear_rope_factor(spec))
     if spec.rope_scaling is not None and spec.rope_scaling.kind == "llama3":
         _scale_llama3_frequencies(model, spec)
+    if spec.rope_scaling is not None and spec.rope_scaling.kind == "yarn":
+        _set_yarn_frequencies(model, spec)
     if spec.scalar_head and post:
         model.output_layer = ScalarHead(spec.hidden, config.sequence_parallel, config.params_dtype)
     if spec.padding_idx is not None and model.pre_process:
@@ -105,6 +117,17 @@ def _scale_llama3_frequencies(model: nn.Module, spec: ModelSpec) -> None:
     rotary.inv_freq = rotary._apply_scaling(rotary.inv_freq, factor=s.factor, low_freq_factor=s.low_freq_factor,
                                             high_freq_factor=s.high_freq_factor,
                                             original_max_position_embeddings=s.original_max_positions)
+
+
+def _set_yarn_frequencies(model: nn.Module, spec: ModelSpec) -> None:
+    """rope_type yarn: the rotary inverse frequencies [head_dim / 2] replaced by HF's (ModelSpec.rope_scaling
+    holds them); the attention factor is the softmax scale's (_softmax_scale)."""
+    rotary = model.rotary_pos_emb
+    inv_freq = torch.tensor(spec.rope_scaling.inv_freq, dtype=torch.float32, device=rotary.inv_freq.device)
+    if inv_freq.shape != rotary.inv_freq.shape:  # a partial_rotary_factor, which Llama and Qwen do not have
+        raise ValueError(f"YaRN gives {inv_freq.numel()} frequencies, Megatron's rotary embedding has "
+                         f"{rotary.inv_freq.numel()}")
+    rotary.inv_freq = inv_freq
 
 
 def _padding_row_without_lookup_grad(padding_idx: int):
