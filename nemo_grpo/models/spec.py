@@ -111,6 +111,12 @@ def _yarn(cfg, params: dict) -> RopeScaling:
                        inv_freq=tuple(inv_freq.float().tolist()), attention_factor=float(attention_factor))
 
 
+def moe_experts(cfg) -> int:
+    """Routed experts per MoE layer of an HF config (Qwen3-MoE / Qwen2-MoE `num_experts`, Mixtral's
+    `num_local_experts`); 0 for a dense model."""
+    return int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0)
+
+
 def check_divisible(cfg, tp: int, pp: int, tp_key: str, pp_key: Optional[str] = None) -> None:
     """Heads, KV heads and the MLP width must split evenly over tp, the layers over pp; a ConfigError names
     the layout key and every size it does not divide."""

@@ -11,14 +11,18 @@ import os
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz +-*/=?:.,()\\{}$")
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 PAD_ID, EOS_ID = 0, 1
 # the chat template of the tiny tokenizer: contents concatenated, so "3+5=" is the whole prompt
 PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-ARCHES = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
+ARCHES = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}
+# qwen3_moe: every layer sparse, 8 experts of width 64, top-2 with the top-k weights renormalised (as
+# Qwen3-30B-A3B: norm_topk_prob true, no shared expert)
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1,
+                mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=0.001)
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -35,7 +39,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_config(arch: str = "qwen2", vocab_size: int = len(SPECIAL) + len(CHARS), **overrides):
-    """A small config of a real architecture: hidden 128, 2 layers, 4 heads of dim 32."""
+    """A small config of a real architecture: hidden 128, 2 layers, 4 heads of dim 32 (qwen3_moe: TINY_MOE)."""
     if arch not in ARCHES:
         raise ValueError(f"unknown tiny architecture '{arch}'; known: {', '.join(ARCHES)}")
     kw = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -44,6 +48,8 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = len(SPECIAL) + len(CHARS)
               rms_norm_eps=1e-6)
     if arch == "llama":
         kw["attention_bias"] = False
+    if arch == "qwen3_moe":
+        kw.update(TINY_MOE)
     kw.update(overrides)
     return ARCHES[arch](**kw)
 

@@ -139,6 +139,19 @@ def test_logprobs_match_hf_other_archs(ray_cluster, tiny_model_dir, arch, tp):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
+def test_qwen3_moe_matches_hf(ray_cluster, tiny_model_dir, tp):
+    """Qwen3-MoE (8 experts, top-2, renormalised top-k weights) under FSDP2 (dp=2), and with TP on attention
+    (tp=2, the experts replicated): log-probs and one optimizer step as the single-process HF model's. One step:
+    routing is discontinuous, so after a step the layouts' float differences (~1e-7) may flip a near-tied top-k
+    choice and the second step's gradients part (at tp=2 the weights then differ by ~3e-4, at dp=2 they did
+    not). Replaying the recorded routing would pin that down (routing replay: not built yet)."""
+    path = tiny_model_dir("qwen3_moe")
+    with Policy(policy_config(path, **{"dtensor_cfg.tensor_parallel_size": tp}), CLUSTER, path) as policy:
+        assert_logprobs_match_hf(policy, path, make_batch(5, seed=7))
+        check_train_parity(policy, path, make_batch(4, seed=1))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
 def test_score_matches_sequence_classifier(ray_cluster, tiny_model_dir, tp):
     path = tiny_model_dir("qwen2", scalar_head=True)
     batch = make_batch(5, seed=8)  # no real token is the pad id, so HF's own pooling is the last real token
