@@ -17,21 +17,16 @@ import argparse
 import logging
 import sys
 
-from nemo_grpo.config import to_yaml
-from nemo_grpo.utils.cli import configure_console, log_to_file, run_main
+from nemo_grpo.utils.cli import entry_point_parser, log_to_file, resolved_config, run_main
 from nemo_grpo.validation import load_eval_config
 
 log = logging.getLogger("nemo_grpo.eval")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m nemo_grpo.eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML recipe with eval, policy, data, env and cluster sections")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("--verbose", action="store_true", help="show third-party output on the console instead "
-                        "of <eval.save_path>/run.log and Ray's session logs")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.num_tests_per_prompt=8")
+    parser = entry_point_parser("python -m nemo_grpo.eval", "YAML recipe with eval, policy, data, env and cluster "
+                                "sections", "<eval.save_path>/run.log", "eval.num_tests_per_prompt=8",
+                                description=__doc__)
     return parser.parse_args(argv)
 
 
@@ -40,10 +35,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate(args: argparse.Namespace) -> int:
-    configure_console(args.verbose)
-    cfg = load_eval_config(args.config, args.overrides)
-    if args.print_config:
-        print(to_yaml(cfg))
+    cfg = resolved_config(args, load_eval_config)
+    if cfg is None:  # --print-config
         return 0
     # here, not at the top: build imports ray, transformers and the engines; a config error is reported without
     from nemo_grpo.build import build_evaluator

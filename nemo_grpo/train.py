@@ -14,8 +14,8 @@ import argparse
 import logging
 import sys
 
-from nemo_grpo.config import TOP_LEVEL_SECTIONS, to_yaml
-from nemo_grpo.utils.cli import configure_console, log_to_file, run_main
+from nemo_grpo.config import TOP_LEVEL_SECTIONS
+from nemo_grpo.utils.cli import entry_point_parser, log_to_file, resolved_config, run_main
 from nemo_grpo.validation import load_config
 
 log = logging.getLogger("nemo_grpo.train")
@@ -23,16 +23,12 @@ log = logging.getLogger("nemo_grpo.train")
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     sections = "\n".join(f"  {name:<14} {text}" for name, text in TOP_LEVEL_SECTIONS.items())
-    parser = argparse.ArgumentParser(
-        prog="python -m nemo_grpo.train", formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = entry_point_parser(
+        "python -m nemo_grpo.train", "YAML recipe (configs/*.yaml); defaults to the tiny CPU recipe",
+        "<logger.log_dir>/run.log", "grpo.max_num_steps=10",
         description="GRPO post-training. Override any key with section.key=value.",
         epilog=f"config sections:\n{sections}\n\nexample: python -m nemo_grpo.train grpo.max_num_steps=50 "
                "policy.dtensor_cfg.tensor_parallel_size=2")
-    parser.add_argument("--config", help="YAML recipe (configs/*.yaml); defaults to the tiny CPU recipe")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("--verbose", action="store_true", help="show third-party output (vLLM, Ray workers, "
-                        "transformers) on the console instead of <logger.log_dir>/run.log and Ray's session logs")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.max_num_steps=10")
     return parser.parse_args(argv)
 
 
@@ -41,10 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
-    configure_console(args.verbose)
-    cfg = load_config(args.config, args.overrides)
-    if args.print_config:
-        print(to_yaml(cfg))
+    cfg = resolved_config(args, load_config)
+    if cfg is None:  # --print-config
         return 0
     # here, not at the top: build imports ray, transformers and the back ends, logger matplotlib and tensorboard;
     # a config error (exit 2) is reported without them

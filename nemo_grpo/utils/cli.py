@@ -21,11 +21,13 @@ directory (init_ray logs where).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
 from typing import Any, Callable, Optional
 
+from nemo_grpo.config import to_yaml
 from nemo_grpo.errors import UserInputError
 
 EXIT_USER_ERROR = 2  # the exit status for bad input (argparse uses it for bad arguments too)
@@ -42,6 +44,30 @@ def error_line(error: BaseException) -> str:
         error = error.cause
     message = str(error.args[0]) if len(error.args) == 1 else str(error)
     return "error: " + " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+def entry_point_parser(prog: str, config_help: str, log_place: str, override_example: str,
+                       **kwargs: Any) -> argparse.ArgumentParser:
+    """The arguments every run's entry point takes: --config, --print-config, --verbose (third-party output on
+    the console instead of `log_place` and Ray's session logs) and dotted overrides."""
+    parser = argparse.ArgumentParser(prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+    parser.add_argument("--config", help=config_help)
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--verbose", action="store_true", help="show third-party output (vLLM, Ray workers, "
+                        f"transformers) on the console instead of {log_place} and Ray's session logs")
+    parser.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {override_example}")
+    return parser
+
+
+def resolved_config(args: argparse.Namespace, load: Callable[[Optional[str], list[str]], Any]) -> Any:
+    """The console set up (configure_console), then `load(args.config, args.overrides)`: the validated config,
+    or None once --print-config has printed it."""
+    configure_console(args.verbose)
+    cfg = load(args.config, args.overrides)
+    if args.print_config:
+        print(to_yaml(cfg))
+        return None
+    return cfg
 
 
 def run_main(body: Callable[..., Optional[int]], *args: Any, **kwargs: Any) -> int:
