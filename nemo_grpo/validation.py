@@ -191,10 +191,6 @@ def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "polic
         first = (str(e).strip().splitlines() or [""])[0]
         raise ConfigError(f"config key '{prefix}.model_name': {model_path} has no config transformers can read: "
                           f"{first}") from None
-    _need(not (moe_experts(hf) and p.generation.backend == "vllm"), f"{prefix}.generation.backend",
-          "the refit of Mixture-of-Experts weights into vLLM is not built yet (vLLM loads each expert's "
-          "checkpoint tensors, the policy holds them fused per layer); use the torch engine: "
-          f"{prefix}.generation.backend=torch")
     if p.backend == "megatron":
         m, key = p.megatron_cfg, f"{prefix}.megatron_cfg."
         _need(not moe_experts(hf), f"{prefix}.backend", f"megatron does not build Mixture-of-Experts models yet "

@@ -53,6 +53,7 @@ from transformers import AutoConfig
 
 from nemo_grpo.generation import vllm_available
 from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput
+from nemo_grpo.models.experts import fused_expert_names, unfuse_experts
 from nemo_grpo.weights.receiver import WeightReceiver
 
 # environment of the engine's actor: vLLM's engine core in the actor's own process (no subprocess); refit
@@ -115,7 +116,7 @@ def checkpoint_weight_names(model_path: str, tied_embeddings: bool) -> Optional[
             names.update(handle.keys())
     if tied_embeddings:
         names.add("lm_head.weight")  # in a HF state_dict, not in the file; vLLM skips it
-    return names
+    return names | fused_expert_names(names)  # a policy's fused experts, split again by load_bucket
 
 
 def _to_output(completion) -> GenerationOutput:
@@ -241,17 +242,19 @@ class VllmGenerationWorker:
         self._refit_loaded = 0
 
     def load_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
-        """Load one bucket of HF-named full tensors into the open refit (every worker); returns how many."""
+        """Load one bucket of HF-named full tensors into the open refit (every worker); returns how many. Fused
+        expert tensors (transformers 5's MoE layout) go to vLLM's loader as the per-expert tensors it reads."""
         if self._refit_loaded is None:
             raise RuntimeError("load_bucket: no refit is open (call begin_refit first)")
+        count, bucket = len(bucket), dict(unfuse_experts(bucket.items()))
         if self.known_names is not None:
             unknown = sorted(k for k in bucket if k not in self.known_names)
             if unknown:
                 raise KeyError(f"refit: the engine's model has no parameter(s) {unknown[:5]}; weights loaded "
                                "so far in this refit are kept, so the engine may now hold a mix")
         self.llm.collective_rpc(_load_bucket, args=(list(bucket.items()),))
-        self._refit_loaded += len(bucket)
-        return len(bucket)
+        self._refit_loaded += count
+        return count
 
     def finish_refit(self) -> int:
         """Close the refit: process and place every layer, drop cached prefixes; returns tensors loaded."""
@@ -288,9 +291,22 @@ def _finish_reload(wrapper) -> None:
     runner = worker.model_runner
     with vllm.set_current_vllm_config(worker.vllm_config):
         vllm.finalize_layerwise_reload(runner.get_model(), worker.vllm_config.model_config)
+        _repack_cpu_experts(runner.get_model())
     for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
         if hasattr(runner, reset):
             getattr(runner, reset)()
+
+
+def _repack_cpu_experts(model) -> None:
+    """vLLM's CPU MoE kernel packs the expert weights into its grouped-GEMM layout at the first load only: on a
+    weight update its MoE method copies the new, unpacked weights in and skips the packing (vLLM 0.32,
+    UnquantizedFusedMoEMethod._setup_kernel), so the kernel would read unpacked weights. Pack them again."""
+    if torch.cuda.is_available():
+        return
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
 
 
 class VllmGeneration(GenerationEngine):

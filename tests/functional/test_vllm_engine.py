@@ -120,6 +120,24 @@ def test_refit_in_place_takes_effect_across_split_layers(engine, hf):
     assert [o.token_ids for o in engine.generate(PROMPTS, greedy=True)] == [hf_greedy(old, tok, p) for p in PROMPTS]
 
 
+def test_moe_refit_of_fused_experts_generates_like_hf(ray_cluster, tiny_model_dir):
+    """Qwen3-MoE: the engine, started from one tiny MoE, refit with another's HF state_dict (transformers 5's
+    fused experts, split into vLLM's per-expert tensors), then samples with that model's log-probs. Refit
+    twice: the second is the weight update after which vLLM's CPU kernel needs its experts packed again."""
+    paths = [tiny_model_dir("qwen3_moe", seed=s) for s in (0, 1)]
+    models = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in paths]
+    eng = VllmGeneration(GenerationConfig(max_new_tokens=MAX_NEW), paths[0], ClusterConfig())
+    try:
+        for model in (models[1], models[0]):
+            update_weights(eng, [model.state_dict()])
+            for p, out in zip(PROMPTS, eng.generate(PROMPTS, seed=5)):
+                teacher = sampled_logprobs(torch.log_softmax(teacher_logits(model, p, out.token_ids), -1),
+                                           out.token_ids)
+                torch.testing.assert_close(torch.tensor(out.logprobs), teacher, atol=1e-4, rtol=0)
+    finally:
+        eng.shutdown()
+
+
 def test_refit_rejects_unknown_names_and_keeps_serving(engine, hf):
     old, _, tok = hf
     with pytest.raises(Exception, match="no parameter"):

@@ -1,11 +1,13 @@
 """Mixture-of-Experts models at config time: the DTensor back end takes Qwen3-MoE (HF's own model under FSDP2);
-the Megatron back end does not build experts yet and says so, naming the key, before any worker starts.
-(Parity with HF is in tests/functional/test_dtensor_policy.py.)"""
+the Megatron back end does not build experts yet and says so, naming the key, before any worker starts. And the
+expert tensors' two layouts. (Parity with HF is in tests/functional/test_dtensor_policy.py.)"""
 
 import pytest
+import torch
 
 from nemo_grpo.config import PolicyConfig
 from nemo_grpo.errors import ConfigError
+from nemo_grpo.models.experts import fused_expert_names, unfuse_experts
 from nemo_grpo.models.spec import moe_experts
 from nemo_grpo.models.tiny import tiny_config
 from nemo_grpo.validation import validate_model_layout
@@ -17,17 +19,17 @@ def test_moe_on_megatron_is_named_dtensor_takes_it(tmp_path):
     cfg.save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match=r"config key 'policy.backend': megatron does not build Mixture-of-Experts "
                                           r"models yet \(.*: 8 experts\); use policy.backend=dtensor"):
-        validate_model_layout(torch_engine(PolicyConfig(model_name=str(tmp_path), backend="megatron")), str(tmp_path))
-    validate_model_layout(torch_engine(PolicyConfig(model_name=str(tmp_path), backend="dtensor")), str(tmp_path))
+        validate_model_layout(PolicyConfig(model_name=str(tmp_path), backend="megatron"), str(tmp_path))
+    validate_model_layout(PolicyConfig(model_name=str(tmp_path), backend="dtensor"), str(tmp_path))
 
 
-def test_moe_refit_into_vllm_is_named(tmp_path):
-    tiny_config("qwen3_moe").save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match=r"config key 'policy.generation.backend': the refit of Mixture-of-Experts "
-                                          r"weights into vLLM is not built yet .* policy.generation.backend=torch"):
-        validate_model_layout(PolicyConfig(model_name=str(tmp_path), backend="dtensor"), str(tmp_path))
-
-
-def torch_engine(cfg: PolicyConfig) -> PolicyConfig:
-    cfg.generation.backend = "torch"
-    return cfg
+def test_fused_experts_split_into_the_checkpoints_tensors():
+    """transformers 5's fused layout -> each expert's checkpoint tensors (what vLLM's loader reads), by hand."""
+    E, F, H = 3, 2, 4
+    gate_up, down = torch.arange(E * 2 * F * H).view(E, 2 * F, H), torch.arange(E * H * F).view(E, H, F)
+    p = "model.layers.0.mlp.experts"
+    out = dict(unfuse_experts([(f"{p}.gate_up_proj", gate_up), (f"{p}.down_proj", down), ("x", down)]))
+    assert torch.equal(out[f"{p}.2.gate_proj.weight"], gate_up[2, :F]) and torch.equal(out[f"{p}.2.up_proj.weight"],
+                                                                                         gate_up[2, F:])
+    assert torch.equal(out[f"{p}.1.down_proj.weight"], down[1]) and out["x"] is down and len(out) == 3 * E + 1
+    assert fused_expert_names(out) == {f"{p}.gate_up_proj", f"{p}.down_proj"}
