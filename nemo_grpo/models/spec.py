@@ -14,7 +14,8 @@ from typing import Optional
 
 from nemo_grpo.errors import ConfigError
 
-CAUSAL_LM = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+CAUSAL_LM = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+             "Qwen3MoeForCausalLM": "qwen3_moe"}
 SEQ_CLS = {"LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2",
            "Qwen3ForSequenceClassification": "qwen3"}
 
@@ -65,6 +66,11 @@ class ModelSpec:
     padding_idx: Optional[int] = None
     transformer_engine: bool = False  # Megatron's TE layer spec: the pre-attention / pre-MLP norms live in the fused linears
     rope_scaling: Optional[RopeScaling] = None  # None: plain RoPE (rope_type default)
+    # Mixture-of-Experts (qwen3_moe; 0 for a dense model): routed experts per layer, experts a token goes to,
+    # and each expert's MLP width (every layer sparse: decoder_sparse_step 1, no mlp_only_layers)
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_ffn: int = 0
 
 
 def rope_parameters(cfg) -> dict:
@@ -139,8 +145,8 @@ def model_spec(cfg, tp: int = 1, pp: int = 1, scalar_head: bool = False,
     (the sizes named under layout_key). any_rope: accept RoPE scalings the Megatron back end cannot build (the
     DTensor back end runs them; the planner sizes them)."""
     arch = (getattr(cfg, "architectures", None) or ["?"])[0]
-    family = CAUSAL_LM.get(arch) or SEQ_CLS.get(arch) or {"llama": "llama", "qwen2": "qwen2",
-                                                           "qwen3": "qwen3"}.get(getattr(cfg, "model_type", ""))
+    family = CAUSAL_LM.get(arch) or SEQ_CLS.get(arch) or {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                                                           "qwen3_moe": "qwen3_moe"}.get(getattr(cfg, "model_type", ""))
     if family is None:
         raise ValueError(f"architecture '{arch}' (model_type '{getattr(cfg, 'model_type', '?')}') "
                          f"is not supported; known: {', '.join(sorted(CAUSAL_LM) + sorted(SEQ_CLS))}")
@@ -156,11 +162,24 @@ def model_spec(cfg, tp: int = 1, pp: int = 1, scalar_head: bool = False,
         family=family, num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ffn=cfg.intermediate_size,
         heads=heads, kv_heads=kv, head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         vocab=cfg.vocab_size, padded_vocab=-(-cfg.vocab_size // tp) * tp, qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3", tied=bool(getattr(cfg, "tie_word_embeddings", False)) and not scalar_head,
+        qk_norm=family.startswith("qwen3"), tied=bool(getattr(cfg, "tie_word_embeddings", False)) and not scalar_head,
         scalar_head=scalar_head, rope_theta=float(rope_parameters(cfg)["rope_theta"]), eps=cfg.rms_norm_eps,
         padding_idx=getattr(cfg, "pad_token_id", None),
         max_positions=cfg.max_position_embeddings, transformer_engine=transformer_engine,
-        rope_scaling=_rope_scaling(cfg, not any_rope, layout_key.rpartition(".")[0] + ".model_name"))
+        rope_scaling=_rope_scaling(cfg, not any_rope, layout_key.rpartition(".")[0] + ".model_name"),
+        **_moe_sizes(cfg, arch))
+
+
+def _moe_sizes(cfg, arch: str) -> dict:
+    """ModelSpec's MoE fields of an HF config ({} for a dense model); dense layers between sparse ones (Qwen3-MoE's
+    decoder_sparse_step > 1 or mlp_only_layers) are a ValueError."""
+    if not moe_experts(cfg):
+        return {}
+    if getattr(cfg, "decoder_sparse_step", 1) != 1 or getattr(cfg, "mlp_only_layers", None):
+        raise ValueError(f"{arch} with dense layers among the sparse ones (decoder_sparse_step "
+                         f"{cfg.decoder_sparse_step}, mlp_only_layers {cfg.mlp_only_layers}) is not supported")
+    return {"experts": moe_experts(cfg), "experts_per_token": cfg.num_experts_per_tok,
+            "moe_ffn": cfg.moe_intermediate_size}
 
 
 @dataclass(frozen=True)
@@ -186,10 +205,15 @@ def _layer_tensors(s: ModelSpec, g: int) -> list[HFTensor]:
     out.append(HFTensor(h + "self_attn.o_proj.weight", (s.hidden, q), g, "col"))
     if s.qk_norm:
         out += [HFTensor(h + f"self_attn.{x}_norm.weight", (s.head_dim,), g, "copy") for x in ("q", "k")]
+    if s.experts:  # transformers 5's fused layout (models/experts.py); replicated over DTensor's TP ranks
+        out += [HFTensor(h + "mlp.gate.weight", (s.experts, s.hidden), g, "copy"),
+                HFTensor(h + "mlp.experts.gate_up_proj", (s.experts, 2 * s.moe_ffn, s.hidden), g, "copy"),
+                HFTensor(h + "mlp.experts.down_proj", (s.experts, s.hidden, s.moe_ffn), g, "copy")]
+    else:
+        out += [HFTensor(h + "mlp.gate_proj.weight", (s.ffn, s.hidden), g, "gate"),
+                HFTensor(h + "mlp.up_proj.weight", (s.ffn, s.hidden), g, "up"),
+                HFTensor(h + "mlp.down_proj.weight", (s.hidden, s.ffn), g, "col")]
     return out + [
-        HFTensor(h + "mlp.gate_proj.weight", (s.ffn, s.hidden), g, "gate"),
-        HFTensor(h + "mlp.up_proj.weight", (s.ffn, s.hidden), g, "up"),
-        HFTensor(h + "mlp.down_proj.weight", (s.hidden, s.ffn), g, "col"),
         HFTensor(h + "input_layernorm.weight", (s.hidden,), g, "copy"),
         HFTensor(h + "post_attention_layernorm.weight", (s.hidden,), g, "copy")]
 

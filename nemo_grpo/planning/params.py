@@ -1,6 +1,6 @@
-"""Parameter counts of a decoder (Llama / Qwen2 / Qwen3 family): in total, per Megatron rank (tp, pp stage) and
-per DTensor rank (tp x FSDP dp), all read off the one back-end-neutral tensor table (nemo_grpo/models/spec.py);
-and of its LoRA adapters (`lora_layer_params`).
+"""Parameter counts of a decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE): in total, per token (`active_params`), per
+Megatron rank (tp, pp stage) and per DTensor rank (tp x FSDP dp), all read off the one back-end-neutral tensor
+table (nemo_grpo/models/spec.py); and of its LoRA adapters (`lora_layer_params`).
 
 A model is described by its HF config: the `config.json` of the local directory when it exists, else the
 published config of a known model family matched on the directory's name (so a plan can be made before the
@@ -26,6 +26,10 @@ _LLAMA31_ROPE = dict(max_position_embeddings=131072, rope_scaling=dict(
 _LLAMA3_8B = dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)
 _LLAMA3_70B = dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
 _QWEN = dict(vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
+# Qwen3's MoE models: 128 experts, 8 per token, the top-8 weights renormalised, every layer sparse
+_QWEN_MOE = dict(_QWEN, model_type="qwen3_moe", tie_word_embeddings=False, num_key_value_heads=4, head_dim=128,
+                 num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                 mlp_only_layers=[], max_position_embeddings=40960)
 
 # directory-name prefix (case-insensitive) -> the published config.json values of that model
 KNOWN_MODELS = {
@@ -37,6 +41,10 @@ KNOWN_MODELS = {
     "qwen2.5-1.5b": dict(_QWEN, model_type="qwen2", hidden_size=1536, intermediate_size=8960,
                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                          max_position_embeddings=32768),
+    "qwen3-30b-a3b": dict(_QWEN_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32),
+    "qwen3-235b-a22b": dict(_QWEN_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                            num_hidden_layers=94, num_attention_heads=64),
     "skywork-reward-v2-qwen3-0.6b": dict(_QWEN, model_type="qwen3", hidden_size=1024, intermediate_size=3072,
                                          num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                          head_dim=128, max_position_embeddings=40960),
@@ -84,6 +92,13 @@ def _on_tp_rank(t: HFTensor, spec: ModelSpec, tp: int, vocab_parallel: bool) -> 
 def total_params(spec: ModelSpec) -> int:
     """Parameters of the HF model (a tied lm_head counted once)."""
     return sum(math.prod(t.shape) for t in _stored(spec))
+
+
+def active_params(spec: ModelSpec) -> int:
+    """Parameters one token computes with: all of a dense model; of an MoE, its experts_per_token experts of
+    every layer, not all its experts."""
+    idle = spec.num_layers * 3 * spec.hidden * spec.moe_ffn * (spec.experts - spec.experts_per_token)
+    return total_params(spec) - idle
 
 
 def megatron_stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> int:

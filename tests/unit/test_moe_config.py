@@ -4,12 +4,14 @@ expert tensors' two layouts. (Parity with HF is in tests/functional/test_dtensor
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from nemo_grpo.config import PolicyConfig
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.models.experts import fused_expert_names, unfuse_experts
 from nemo_grpo.models.spec import moe_experts
 from nemo_grpo.models.tiny import tiny_config
+from nemo_grpo.planning.params import active_params, decoder_spec, hf_config, total_params
 from nemo_grpo.validation import validate_model_layout
 
 
@@ -33,3 +35,17 @@ def test_fused_experts_split_into_the_checkpoints_tensors():
                                                                                          gate_up[2, F:])
     assert torch.equal(out[f"{p}.1.down_proj.weight"], down[1]) and out["x"] is down and len(out) == 3 * E + 1
     assert fused_expert_names(out) == {f"{p}.gate_up_proj", f"{p}.down_proj"}
+
+
+@pytest.mark.parametrize("name,total,active", [("Qwen3-30B-A3B", 30.53e9, 3.35e9), ("Qwen3-235B-A22B", 235.09e9,
+                                                                                       22.19e9)])
+def test_moe_parameter_counts_match_the_published_models(name, total, active):
+    """The planner's counts from the published config (KNOWN_MODELS) against the HF model built on the meta
+    device: 30.5B total / 3.3B active and 235B / 22B, as Qwen publishes them."""
+    cfg = hf_config(name, "policy.model_name")
+    spec = decoder_spec(cfg, scalar_head=False, megatron=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert total_params(spec) == sum(p.numel() for p in model.parameters())
+    assert total_params(spec) == pytest.approx(total, rel=1e-3)
+    assert active_params(spec) == pytest.approx(active, rel=1e-3)
