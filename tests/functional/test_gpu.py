@@ -83,3 +83,12 @@ def test_bf16_policy_matches_fp32_hf(ray_cluster, tiny_model_dir, backend):
     with Policy(policy_config(path, backend=backend, precision="bfloat16"), ONE_GPU, path) as policy:
         assert (policy.devices, policy.dist_backend) == (["cuda:0"], "nccl")
         check_bf16_step(policy, path, make_batch(4, seed=9))
+
+
+def test_bf16_moe_policy_matches_fp32_hf(ray_cluster, tiny_model_dir):
+    """Qwen3-MoE (the tiny one: 8 experts, top-2) on the DTensor back end, one GPU in bf16: log-probs close to
+    fp32 HF, fp32 master weights, one step close to the fp32 reference step."""
+    path = tiny_model_dir("qwen3_moe")
+    with Policy(policy_config(path, backend="dtensor", precision="bfloat16"), ONE_GPU, path) as policy:
+        assert (policy.devices, policy.dist_backend) == (["cuda:0"], "nccl")
+        check_bf16_step(policy, path, make_batch(4, seed=9))
