@@ -1,10 +1,11 @@
 """Packed rows at varlen cost on the DTensor back end: a Hugging Face attention function (transformers'
 AttentionInterface) that runs backends/varlen.py per segment.
 
-The model is built with `attn_implementation=VARLEN` when sequence packing is on with per-segment attention.
-transformers builds no mask for an implementation it has no mask function for, and passes the forward's
-keyword arguments through to the attention function: the worker hands the packed row's boundaries in as
-`cu_seq_lens_q` (the keyword of HF's own flash-attention varlen path).
+The model is built with `attn_implementation=VARLEN` when sequence packing is on. transformers builds no mask
+for an implementation it has no mask function for, and passes the forward's keyword arguments through to the
+attention function: the worker hands the packed row's boundaries in as `cu_seq_lens_q` (the keyword of HF's own
+flash-attention varlen path). A packed row given its 4D block-diagonal mask instead
+(policy.sequence_packing.attention=mask) goes to HF's SDPA attention with it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Optional
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from nemo_grpo.backends.varlen import packed_attention
 
@@ -23,10 +25,13 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
                              scaling: Optional[float] = None, **kwargs) -> tuple[torch.Tensor, None]:
     """HF's attention signature: query [1, heads, s, d], key and value [1, kv_heads, s, d] (this TP rank's heads),
-    cu_seq_lens_q [n + 1] -> ([1, s, heads, d], None)."""
+    cu_seq_lens_q [n + 1] (or a dense attention_mask [1, 1, s, s]) -> ([1, s, heads, d], None)."""
     cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None and attention_mask is not None and attention_mask.dim() == 4:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     if cu_seqlens is None or attention_mask is not None:
-        raise ValueError(f"{VARLEN} attention runs packed rows only: it needs cu_seq_lens_q and no attention mask")
+        raise ValueError(f"{VARLEN} attention runs packed rows only: cu_seq_lens_q, or a 4D mask and no segments")
     if kwargs.get("sliding_window") is not None:
         raise ValueError(f"{VARLEN} attention does not implement sliding-window attention")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -53,7 +53,7 @@ class DTensorPolicyWorker(PolicyWorker):
         self.dp_rank, self.tp_rank = coords["dp"], coords["tp"]
         self.output_rank = self.tp_rank == 0
         self.mesh = par.build_mesh(self.device.type, self.dp_size, self.tp_size)
-        attn = VARLEN if cfg.sequence_packing.enabled and not self._dense_packing_mask() else None
+        attn = VARLEN if cfg.sequence_packing.enabled else None  # packed rows: per segment, or the dense mask
         if self.scalar_head:
             model = AutoModelForSequenceClassification.from_pretrained(self.model_path, num_labels=1,
                                                                        dtype=torch.float32, attn_implementation=attn)
