@@ -119,14 +119,17 @@ class DynamicBatchingConfig:
 @dataclass
 class SequencePackingConfig:
     """policy.sequence_packing (NeMo RL's keys): each rank's rows packed into bins of at most a token budget
-    (algorithm: first_fit_decreasing | concatenative); a bin is one row, its sequences isolated by a
-    block-diagonal causal mask and per-sequence position ids. Replaces train_micro_batch_size /
+    (algorithm: first_fit_decreasing | concatenative); a bin is one row, its sequences isolated by per-sequence
+    attention and position ids. Replaces train_micro_batch_size /
     logprob_batch_size (and dynamic batching) when enabled."""
     enabled: bool = False
     train_mb_tokens: Optional[int] = None  # real tokens per packed training row
     logprob_mb_tokens: Optional[int] = None  # real tokens per packed get_logprobs / score row
     algorithm: str = "first_fit_decreasing"
     sequence_length_round: int = 64  # a packed row is padded to a multiple of this
+    # varlen: attention per sequence, sum(len²) (backends/varlen.py); mask: one block-diagonal causal mask over
+    # the row, s² (the reference path; Megatron's unfused attention always uses it)
+    attention: str = "varlen"
 
 
 @dataclass

@@ -16,6 +16,7 @@ which imports it) inside the checks that need them, not at the top.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from typing import Optional
 
@@ -37,6 +38,8 @@ from nemo_grpo.models.spec import check_divisible, check_rope, moe_experts
 from nemo_grpo.utils.checkpoint import CONFIG_YAML, FINAL_PREFIX, POLICY_DIR, TRAINING_INFO, checkpoint_problem
 
 PRECISIONS = ["float32", "bfloat16"]
+PACKED_ATTENTION = ["varlen", "mask"]
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------- loaders
@@ -152,6 +155,18 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy", scalar
               key + "layer_spec", "transformer_engine needs Transformer Engine installed (the gpu extra); use local")
 
 
+def derive_token_budgets(p: PolicyConfig, section, key: str) -> None:
+    """An unset train_mb_tokens / logprob_mb_tokens of policy.dynamic_batching or policy.sequence_packing (`key`,
+    e.g. "policy.sequence_packing.") becomes what a fixed micro-batch may hold at worst: train_micro_batch_size
+    (logprob_batch_size) x max_total_sequence_length; logged, so that switching either on is one key."""
+    width = p.max_total_sequence_length
+    for name, rows_key in (("train_mb_tokens", "train_micro_batch_size"), ("logprob_mb_tokens", "logprob_batch_size")):
+        rows = getattr(p, rows_key)
+        if getattr(section, name) is None:
+            setattr(section, name, rows * width)
+            log.info(f"{key}{name} not set: {rows * width} ({rows_key} {rows} x max_total_sequence_length {width})")
+
+
 def _validate_token_budgets(section, key: str) -> None:
     """The budgets shared by policy.dynamic_batching and policy.sequence_packing are positive."""
     for name in ("train_mb_tokens", "logprob_mb_tokens", "sequence_length_round"):
@@ -162,6 +177,7 @@ def _validate_dynamic_batching(p: PolicyConfig, prefix: str) -> None:
     db, key = p.dynamic_batching, f"{prefix}.dynamic_batching."
     if not db.enabled:
         return
+    derive_token_budgets(p, db, key)
     _validate_token_budgets(db, key)
     pp = p.megatron_cfg.pipeline_model_parallel_size
     _need(p.backend != "megatron" or pp == 1, key + "enabled",
@@ -173,8 +189,10 @@ def _validate_sequence_packing(p: PolicyConfig, prefix: str) -> None:
     sp, key = p.sequence_packing, f"{prefix}.sequence_packing."
     if not sp.enabled:
         return
+    derive_token_budgets(p, sp, key)
     _validate_token_budgets(sp, key)
     _choice(sp.algorithm, key + "algorithm", sorted(PACKING_ALGORITHMS))
+    _choice(sp.attention, key + "attention", PACKED_ATTENTION)
     _need(not p.dynamic_batching.enabled, key + "enabled",
           f"and {prefix}.dynamic_batching.enabled are both on; packing already groups rows by a token budget: "
           "set one of them off")

@@ -3,9 +3,10 @@
 Padded: the b sequences are b rows, right-padded to the longest one (rounded up to `multiple`); causal attention
 keeps the padding out of the real positions.
 Packed (policy.sequence_packing): the b sequences lie back to back in one row, each with its own position ids
-(0, 1, ... from its start) and a block-diagonal causal mask, so no token sees another sequence; the row is
-padded to a multiple of `multiple` with a segment of its own (never an all-masked query row, which would make
-attention NaN).
+(0, 1, ... from its start) and its segment boundaries `cu_seqlens`, so no token sees another sequence; the row
+is padded to a multiple of `multiple` with a segment of its own (never an all-masked query row, which would make
+attention NaN). Attention runs per segment (backends/varlen.py), or, with `dense_mask`, through a block-diagonal
+causal mask [1, 1, t, t] (s² attention: Megatron's unfused attention, and the reference path).
 
 Both give per-position outputs [r, t] (r = b rows, or 1), and `to_rows` maps them back to the data contract's
 [b, T]: each sequence's positions at columns 0..len-1, column 0 and the padding 0.
@@ -24,8 +25,9 @@ from nemo_grpo.backends.batching import attention_mask_from_lengths
 @dataclass
 class ModelInputs:
     """input_ids [r, t]; attention_mask: padded [r, t] long (1 on real tokens), packed [1, 1, t, t] bool (True
-    where a query may attend a key); position_ids [r, t] (None: 0..t-1 on every row); token_mask [r, t] (1 on
-    the sequences' tokens); seq_row, seq_start, seq_len [b]: where each sequence lies."""
+    where a query may attend a key) or None (varlen); position_ids [r, t] (None: 0..t-1 on every row);
+    token_mask [r, t] (1 on the sequences' tokens); seq_row, seq_start, seq_len [b]: where each sequence lies;
+    cu_seqlens [n + 1] (packed only): the row's segment boundaries 0 .. t, the padding tail a segment."""
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: Optional[torch.Tensor]
@@ -33,10 +35,16 @@ class ModelInputs:
     seq_row: torch.Tensor
     seq_start: torch.Tensor
     seq_len: torch.Tensor
+    cu_seqlens: Optional[torch.Tensor] = None
 
     @property
     def packed(self) -> bool:
-        return self.attention_mask.dim() == 4
+        return self.cu_seqlens is not None
+
+    @property
+    def varlen(self) -> bool:
+        """A packed row whose attention runs per segment (no dense mask)."""
+        return self.packed and self.attention_mask is None
 
     @property
     def width(self) -> int:
@@ -66,11 +74,16 @@ def natural_width(mb: dict[str, Any], packed: bool, multiple: int = 1) -> int:
     return _round_up(int(lengths.sum() if packed else lengths.max()), multiple)
 
 
-def model_inputs(mb: dict[str, Any], packed: bool, multiple: int = 1, width: Optional[int] = None) -> ModelInputs:
+def model_inputs(mb: dict[str, Any], packed: bool, multiple: int = 1, width: Optional[int] = None,
+                 dense_mask: bool = False) -> ModelInputs:
     """A micro-batch (input_ids [b, T], input_lengths [b]) -> ModelInputs of `width` columns (default: its
-    natural width); `width` may exceed T, never cut a sequence."""
+    natural width); `width` may exceed T, never cut a sequence. dense_mask: a packed row carries its
+    block-diagonal mask (else attention goes per segment)."""
     width = width or natural_width(mb, packed, multiple)
-    return (_packed if packed else _padded)(mb["input_ids"], mb["input_lengths"].clamp(min=1), width)
+    lengths = mb["input_lengths"].clamp(min=1)
+    if packed:
+        return _packed(mb["input_ids"], lengths, width, dense_mask)
+    return _padded(mb["input_ids"], lengths, width)
 
 
 def _padded(input_ids: torch.Tensor, lengths: torch.Tensor, width: int) -> ModelInputs:
@@ -81,7 +94,7 @@ def _padded(input_ids: torch.Tensor, lengths: torch.Tensor, width: int) -> Model
                        torch.zeros_like(lengths), lengths)
 
 
-def _packed(input_ids: torch.Tensor, lengths: torch.Tensor, width: int) -> ModelInputs:
+def _packed(input_ids: torch.Tensor, lengths: torch.Tensor, width: int, dense_mask: bool) -> ModelInputs:
     b, t = input_ids.shape
     device, total = input_ids.device, int(lengths.sum())
     if total > width:
@@ -94,8 +107,11 @@ def _packed(input_ids: torch.Tensor, lengths: torch.Tensor, width: int) -> Model
                          torch.full((tail,), b, device=device)])  # [width]; b = the padding tail
     seg_start = torch.cat([starts, torch.tensor([total], device=device)])
     positions = torch.arange(width, device=device) - seg_start[segment]  # restarts at 0 per sequence
-    col = torch.arange(width, device=device)
-    attend = (segment[:, None] == segment[None, :]) & (col[None, :] <= col[:, None])  # [query, key]
+    cu_seqlens = torch.cat([seg_start, torch.tensor([width], device=device)]) if tail else seg_start  # [n + 1]
+    attend = None
+    if dense_mask:
+        col = torch.arange(width, device=device)
+        attend = ((segment[:, None] == segment[None, :]) & (col[None, :] <= col[:, None]))[None, None]  # [q, k]
     token_mask = (segment < b).long()
-    return ModelInputs(ids[None], attend[None, None], positions[None], token_mask[None],
-                       torch.zeros_like(lengths), starts, lengths)
+    return ModelInputs(ids[None], attend, positions[None], token_mask[None], torch.zeros_like(lengths), starts,
+                       lengths, cu_seqlens)

@@ -240,7 +240,13 @@ class PolicyWorker(ABC):
     def _model_inputs(self, mb: dict[str, Any], width: Optional[int] = None) -> ModelInputs:
         """A micro-batch on device -> what the model takes: padded rows, or one packed row with sequence
         packing on (nemo_grpo/backends/model_inputs.py)."""
-        return model_inputs(mb, self.cfg.sequence_packing.enabled, self._width_multiple(), width)
+        return model_inputs(mb, self.cfg.sequence_packing.enabled, self._width_multiple(), width,
+                            dense_mask=self._dense_packing_mask())
+
+    def _dense_packing_mask(self) -> bool:
+        """Packed rows attend through a dense block-diagonal mask (policy.sequence_packing.attention=mask), not
+        per segment (a back end whose attention cannot go per segment says so too)."""
+        return self.cfg.sequence_packing.attention == "mask"
 
     def _forward_logprobs(self, mb: dict[str, Any]) -> torch.Tensor:
         """Micro-batch on device -> logprobs [b, T] (grad follows the caller's mode)."""

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 from weight_io import export_weights
 
+from nemo_grpo.backends import varlen
 from nemo_grpo.config import ClusterConfig, PolicyConfig
 from nemo_grpo.policy import Policy
 
@@ -197,3 +198,35 @@ def check_bf16_step(policy: Policy, path: str, batch: dict) -> None:
     assert max_diff(got, start) > 1e-3
     assert metrics["grad_norm"] == pytest.approx(norms[0], rel=0.05)
     assert (lp_after - ref_after).abs().max().item() < 0.1  # DTensor: 1.9e-2 after one step at lr 1e-2
+
+
+def segment_attention_calls(policy: Policy) -> list[int]:
+    """Per rank: the calls of backends/varlen.py's per-segment attention in its worker process so far."""
+    return policy.group.run_all("__ray_call__", lambda worker: varlen.CALLS["sdpa_segments"])
+
+
+def _set_packed_attention(policy: Policy, attention: str) -> None:
+    def set_on(worker):
+        worker.cfg.sequence_packing.attention = attention
+    policy.group.run_all("__ray_call__", set_on)
+
+
+def check_varlen_equals_dense_mask(policy: Policy, batch: dict, ckpt: str, tol: float = 1e-5) -> None:
+    """Packed rows attended per segment (the policy's default) give the dense block-diagonal mask's log-probs and
+    one train call's weights within `tol`, from the same start (checkpoint `ckpt`); the per-segment path ran on
+    every rank in the first and on none in the second. Leaves the policy on varlen attention, trained once."""
+    policy.save_checkpoint(ckpt)
+    out = {}
+    for attention in ("mask", "varlen"):
+        _set_packed_attention(policy, attention)
+        policy.load_checkpoint(ckpt)
+        calls = segment_attention_calls(policy)
+        lp = policy.get_logprobs(batch)
+        policy.train(batch, TokenPGLoss())
+        ran = [after - before for after, before in zip(segment_attention_calls(policy), calls)]
+        assert all(n > 0 for n in ran) if attention == "varlen" else not any(ran), (attention, ran)
+        out[attention] = lp, export_state(policy)
+    lp_diff, weight_diff = (out["varlen"][0] - out["mask"][0]).abs().max().item(), max_diff(out["varlen"][1],
+                                                                                            out["mask"][1])
+    print(f"per-segment vs dense mask: log-probs {lp_diff:.2e}, weights after one step {weight_diff:.2e}")
+    assert lp_diff <= tol and weight_diff <= tol

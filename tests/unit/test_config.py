@@ -68,11 +68,14 @@ BAD = [
     (["policy.backend=megatron", "policy.megatron_cfg.layer_spec=fast"], "policy.megatron_cfg.layer_spec"),
     (["policy.backend=megatron", "policy.megatron_cfg.layer_spec=transformer_engine"],
      "policy.megatron_cfg.layer_spec"),  # Transformer Engine is not installed on the CPU stack
-    (["policy.sequence_packing.enabled=true"], "policy.sequence_packing.train_mb_tokens"),  # no budget
+    (["policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=0"],
+     "policy.sequence_packing.train_mb_tokens"),
+    (["policy.sequence_packing.enabled=true", "policy.sequence_packing.attention=flash"],
+     "policy.sequence_packing.attention"),
     (PACKING + ["policy.sequence_packing.algorithm=best_fit"], "policy.sequence_packing.algorithm"),
     (PACKING + ["policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=64",
                 "policy.dynamic_batching.logprob_mb_tokens=64"], "policy.sequence_packing.enabled"),  # both
-    (["policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=64"],
+    (["policy.dynamic_batching.enabled=true", "policy.dynamic_batching.logprob_mb_tokens=-1"],
      "policy.dynamic_batching.logprob_mb_tokens"),
     (["policy.backend=megatron", "policy.megatron_cfg.pipeline_model_parallel_size=2",
       "policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=64",
@@ -82,6 +85,24 @@ BAD = [
     (ASYNC + ["policy.generation.colocated.enabled=false", "grpo.async_grpo.max_trajectory_age_steps=-1"],
      "grpo.async_grpo.max_trajectory_age_steps"),
 ]
+
+
+@pytest.mark.parametrize("section", ["sequence_packing", "dynamic_batching"])
+def test_one_key_switches_token_budgets_on(section, caplog):
+    """enabled=true alone: the unset budgets become micro-batch rows x max_total_sequence_length, logged; a set
+    one is kept."""
+    key = f"policy.{section}"
+    with caplog.at_level("INFO", logger="nemo_grpo.validation"):
+        cfg = load_config(None, [f"{key}.enabled=true", "policy.max_total_sequence_length=24",
+                                 "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16"])
+    budgets = getattr(cfg.policy, section)
+    assert (budgets.train_mb_tokens, budgets.logprob_mb_tokens) == (8 * 24, 16 * 24)
+    assert f"{key}.train_mb_tokens not set: 192 (train_micro_batch_size 8 x max_total_sequence_length 24)" \
+        in caplog.text
+    assert f"{key}.logprob_mb_tokens not set: 384" in caplog.text
+    cfg = load_config(None, [f"{key}.enabled=true", f"{key}.logprob_mb_tokens=100"])
+    assert getattr(cfg.policy, section).logprob_mb_tokens == 100
+    assert getattr(cfg.policy, section).train_mb_tokens == cfg.policy.train_micro_batch_size * 16
 
 
 @pytest.mark.parametrize("overrides,key", BAD, ids=[k for _, k in BAD])

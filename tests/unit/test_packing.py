@@ -1,10 +1,14 @@
-"""Sequence packing primitives: the bin algorithms, the packed row (ids, positions, block-diagonal mask) and the
-way back to per-sequence rows, checked by hand and against a Hugging Face model run on the padded rows."""
+"""Sequence packing primitives: the bin algorithms, the packed row (ids, positions, segments or block-diagonal
+mask) and the way back to per-sequence rows, checked by hand and against a Hugging Face model run on the padded
+rows; attention per segment (backends/varlen.py) against the dense mask."""
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from nemo_grpo.backends.batching import concatenative, first_fit_decreasing, token_logprobs_from_logits
 from nemo_grpo.backends.model_inputs import model_inputs, natural_width
+from nemo_grpo.backends.varlen import CALLS, packed_attention
 
 
 def test_first_fit_decreasing_fills_the_first_bin_with_room():
@@ -24,6 +28,9 @@ def test_packed_row_by_hand():
     assert inp.input_ids.tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
     assert inp.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]  # the padding tail is a segment of its own
     assert inp.token_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0, 0]]
+    assert inp.cu_seqlens.tolist() == [0, 3, 5, 8] and inp.varlen and inp.attention_mask is None
+    inp = model_inputs(batch, packed=True, multiple=4, dense_mask=True)
+    assert inp.packed and not inp.varlen
     mask = inp.attention_mask[0, 0].int()
     assert mask[4].tolist() == [0, 0, 0, 1, 1, 0, 0, 0]  # the 2nd sequence's 2nd token sees only its sequence
     assert mask[7].tolist() == [0, 0, 0, 0, 0, 1, 1, 1]  # no query row is all masked
@@ -55,7 +62,7 @@ def test_packed_log_probs_equal_hf_on_padded_rows(tmp_path):
     batch = {"input_ids": ids, "input_lengths": lengths}
     outs = {}
     for packed in (False, True):
-        inp = model_inputs(batch, packed=packed, multiple=8)
+        inp = model_inputs(batch, packed=packed, multiple=8, dense_mask=True)
         logits = model(input_ids=inp.input_ids, attention_mask=inp.attention_mask,
                        position_ids=inp.position_ids).logits
         outs[packed] = inp.to_rows(token_logprobs_from_logits(logits, inp.input_ids, inp.token_mask), 9)
@@ -63,3 +70,52 @@ def test_packed_log_probs_equal_hf_on_padded_rows(tmp_path):
     assert outs[True][1, 3:].abs().sum() == 0 and outs[True][1, 1:3].abs().min() > 0
     outs[True].sum().backward()
     assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 4), (6, 2)])
+def test_attention_per_segment_equals_the_dense_mask(heads, groups):
+    """packed_attention (GQA too) = SDPA over the row with its block-diagonal causal mask, forward and gradients."""
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.zeros(4, 9, dtype=torch.long), "input_lengths": torch.tensor([9, 3, 6, 1])}
+    dense, segs = model_inputs(batch, True, 8, dense_mask=True), model_inputs(batch, True, 8)  # 19 -> 24 columns
+    q, k, v = (torch.randn(1, h, 24, 8, requires_grad=True) for h in (heads, groups, groups))
+    calls = CALLS["sdpa_segments"]
+    got = packed_attention(q, k, v, segs.cu_seqlens, scale=0.3)
+    assert CALLS["sdpa_segments"] == calls + 1
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense.attention_mask, scale=0.3,
+                                         enable_gqa=heads != groups)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+    g = torch.randn_like(ref)
+    grads = torch.autograd.grad((got * g).sum(), (q, k, v))
+    for a, b in zip(grads, torch.autograd.grad((ref * g).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="segments cover 19 of the row's 24 positions"):
+        packed_attention(q, k, v, segs.cu_seqlens[:-1], scale=0.3)
+
+
+def test_hf_varlen_attention_equals_the_dense_mask(tmp_path):
+    """A Hugging Face model built with attn_implementation=VARLEN on a packed row (its boundaries as
+    cu_seq_lens_q) gives the dense-mask SDPA model's log-probs and gradients, through the per-segment path."""
+    from transformers import AutoModelForCausalLM
+
+    from nemo_grpo.backends.dtensor.attention import VARLEN, varlen_kwargs
+    from nemo_grpo.models.tiny import save_tiny_model
+
+    torch.manual_seed(0)
+    path = save_tiny_model(str(tmp_path / "m"), arch="llama")
+    lengths = torch.tensor([9, 3, 6, 1])
+    batch = {"input_ids": torch.randint(3, 40, (4, 9)) * (torch.arange(9)[None] < lengths[:, None]),
+             "input_lengths": lengths}
+    outs = {}
+    for impl in ("sdpa", VARLEN):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=impl)
+        inp = model_inputs(batch, packed=True, multiple=8, dense_mask=impl == "sdpa")
+        calls = CALLS["sdpa_segments"]
+        logits = model(input_ids=inp.input_ids, attention_mask=inp.attention_mask, position_ids=inp.position_ids,
+                       **(varlen_kwargs(inp.cu_seqlens) if inp.varlen else {})).logits
+        assert CALLS["sdpa_segments"] - calls == (model.config.num_hidden_layers if inp.varlen else 0)
+        lp = inp.to_rows(token_logprobs_from_logits(logits, inp.input_ids, inp.token_mask), 9)  # [4, 9]
+        lp.sum().backward()
+        outs[impl] = lp.detach(), model.model.embed_tokens.weight.grad
+    torch.testing.assert_close(outs[VARLEN][0], outs["sdpa"][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(outs[VARLEN][1], outs["sdpa"][1], atol=1e-5, rtol=0)

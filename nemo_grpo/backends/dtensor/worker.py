@@ -3,7 +3,8 @@
 Only what differs from `PolicyWorker` is here: building the HF model from a local directory, the (dp, tp)
 parallelization, logits -> log-probs (full-vocabulary logits on every TP rank), the scalar head's score, the
 gradient finish (Qwen3 q_norm/k_norm all-reduce), the DTensor-aware gradient norm, the weight export
-(`DTensor.full_tensor()` per HF state_dict entry; for refit every rank writes its shards into shared memory) and the checkpoint format (torch.distributed.checkpoint).
+(`DTensor.full_tensor()` per HF state_dict entry; for refit every rank writes its shards into shared memory)
+and the checkpoint format (torch.distributed.checkpoint). Packed rows attend per segment (attention.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from nemo_grpo.backends.batching import token_logprobs_from_logits
 from nemo_grpo.backends.dtensor import lora as peft_lora
 from nemo_grpo.backends.dtensor import parallelize as par
+from nemo_grpo.backends.dtensor.attention import VARLEN, varlen_kwargs
 from nemo_grpo.backends.model_inputs import ModelInputs
 from nemo_grpo.backends.worker import PolicyWorker
 from nemo_grpo.models import lora
@@ -51,11 +53,13 @@ class DTensorPolicyWorker(PolicyWorker):
         self.dp_rank, self.tp_rank = coords["dp"], coords["tp"]
         self.output_rank = self.tp_rank == 0
         self.mesh = par.build_mesh(self.device.type, self.dp_size, self.tp_size)
+        attn = VARLEN if cfg.sequence_packing.enabled else None  # packed rows: per segment, or the dense mask
         if self.scalar_head:
             model = AutoModelForSequenceClassification.from_pretrained(self.model_path, num_labels=1,
-                                                                       dtype=torch.float32)
+                                                                       dtype=torch.float32, attn_implementation=attn)
         else:
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32,
+                                                         attn_implementation=attn)
         model.config.architectures = [type(model).__name__]
         if cfg.dtensor_cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -71,10 +75,12 @@ class DTensorPolicyWorker(PolicyWorker):
 
     # ------------------------------------------------------------------------------------------ forward
     def _forward(self, inputs: ModelInputs):
-        """The HF model on [r, t] ids with a 2D padding mask, or a packed row's 4D block-diagonal causal mask and
-        per-sequence position ids (SDPA does not isolate packed sequences from position ids alone)."""
+        """The HF model on [r, t] ids with a 2D padding mask; a packed row with per-sequence position ids and its
+        segment boundaries (attention per segment), or its 4D block-diagonal causal mask (SDPA does not isolate
+        packed sequences from position ids alone)."""
+        extra = varlen_kwargs(inputs.cu_seqlens) if inputs.varlen else {}
         return self.model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                          position_ids=inputs.position_ids, use_cache=False)
+                          position_ids=inputs.position_ids, use_cache=False, **extra)
 
     def _logprobs(self, inputs: ModelInputs) -> torch.Tensor:
         """-> [r, t]: full-vocabulary logits on every rank (lm_head replicated over tp), / temperature."""

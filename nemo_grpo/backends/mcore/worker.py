@@ -39,6 +39,7 @@ from transformers import AutoConfig
 
 from nemo_grpo.backends.mcore import model as mmodel
 from nemo_grpo.backends.mcore import shim, weights
+from nemo_grpo.backends.mcore.attention import segment_params
 from nemo_grpo.backends.mcore.distopt import MegatronDistributedOptimizer, ShardedState
 from nemo_grpo.backends.mcore.lora import MegatronLora, parameters_by_name
 from nemo_grpo.backends.model_inputs import ModelInputs, natural_width
@@ -159,6 +160,10 @@ class MegatronPolicyWorker(PolicyWorker):
         return self.hf_config
 
     # ------------------------------------------------------------------------------------------ forward
+    def _dense_packing_mask(self) -> bool:
+        """Megatron's unfused attention takes packed rows through the dense mask only."""
+        return super()._dense_packing_mask() or self.cfg.megatron_cfg.attention_backend != "sdpa"
+
     def _width_multiple(self) -> int:
         """Sequence parallelism splits the columns over tp: a multiple of tp (and of the packing round)."""
         base = super()._width_multiple()
@@ -169,14 +174,16 @@ class MegatronPolicyWorker(PolicyWorker):
         """Megatron's schedule over (micro-batch, its model inputs) pairs on device, all inputs of one shape
         [r, s]. on_output(mb, inputs, output) runs on the last stage with the model output ([r, s, V/tp] logits
         or [r, s, 1] scores) and returns the scalar to backpropagate when training (else None). Packed rows pass
-        their block-diagonal mask (True = masked, Megatron's convention) and per-sequence RoPE positions."""
+        their segments (attention per segment) or block-diagonal mask (True = masked, Megatron's convention) and
+        per-sequence RoPE positions."""
         def step(data_iterator, model):
             mb, inputs = next(data_iterator)
             ids = inputs.input_ids  # [r, s]
             pos = inputs.position_ids if inputs.packed else torch.arange(ids.shape[1], device=ids.device)[None]
-            mask = ~inputs.attention_mask if inputs.packed else None
+            mask = ~inputs.attention_mask if inputs.packed and not inputs.varlen else None
             with self.rope_positions.use(inputs.position_ids if inputs.packed else None):
-                output = model(ids, pos.expand_as(ids), attention_mask=mask)
+                output = model(ids, pos.expand_as(ids), attention_mask=mask,
+                               packed_seq_params=segment_params(inputs.cu_seqlens) if inputs.varlen else None)
             return output, partial(closure, mb, inputs)
 
         def closure(mb, inputs, output):
