@@ -34,7 +34,7 @@ from nemo_grpo.errors import require_choice as _choice
 from nemo_grpo.layout import ParallelLayout, backend_layout, check_inactive_degrees, policy_layout
 from nemo_grpo.models.files import check_model_dir
 from nemo_grpo.models.lora import validate_lora
-from nemo_grpo.models.spec import check_divisible, check_rope, moe_experts
+from nemo_grpo.models.spec import check_divisible, check_megatron_builds_experts, check_rope
 from nemo_grpo.utils.checkpoint import CONFIG_YAML, FINAL_PREFIX, POLICY_DIR, TRAINING_INFO, checkpoint_problem
 
 PRECISIONS = ["float32", "bfloat16"]
@@ -211,9 +211,7 @@ def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "polic
                           f"{first}") from None
     if p.backend == "megatron":
         m, key = p.megatron_cfg, f"{prefix}.megatron_cfg."
-        _need(not moe_experts(hf), f"{prefix}.backend", f"megatron does not build Mixture-of-Experts models yet "
-              f"({model_path}: {moe_experts(hf)} experts); use {prefix}.backend=dtensor, which trains them under "
-              "FSDP2 (+ tensor parallelism on attention)")
+        check_megatron_builds_experts(hf, f"{prefix}.backend", model_path)
         check_rope(hf, f"{prefix}.model_name")
         overlap = m.use_distributed_optimizer and m.distributed_data_parallel_config.overlap_grad_reduce
         tied_over_stages = m.pipeline_model_parallel_size > 1 and getattr(hf, "tie_word_embeddings", False)

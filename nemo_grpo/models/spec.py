@@ -123,6 +123,15 @@ def moe_experts(cfg) -> int:
     return int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0)
 
 
+def check_megatron_builds_experts(cfg, backend_key: str, model: str) -> None:
+    """An MoE model on the Megatron back end, which does not build experts yet, is a ConfigError naming
+    `backend_key` (training's validation and the planner say the same)."""
+    if moe_experts(cfg):
+        raise ConfigError(f"config key '{backend_key}': megatron does not build Mixture-of-Experts models yet "
+                          f"({model}: {moe_experts(cfg)} experts); use {backend_key}=dtensor, which trains them "
+                          "under FSDP2 (+ tensor parallelism on attention)")
+
+
 def check_divisible(cfg, tp: int, pp: int, tp_key: str, pp_key: Optional[str] = None) -> None:
     """Heads, KV heads and the MLP width must split evenly over tp, the layers over pp; a ConfigError names
     the layout key and every size it does not divide."""

@@ -49,3 +49,11 @@ def test_moe_parameter_counts_match_the_published_models(name, total, active):
     assert total_params(spec) == sum(p.numel() for p in model.parameters())
     assert total_params(spec) == pytest.approx(total, rel=1e-3)
     assert active_params(spec) == pytest.approx(active, rel=1e-3)
+
+
+def test_the_planner_refuses_moe_on_megatron_as_training_does():
+    """`python -m nemo_grpo.plan` must not plan a Megatron MoE run that training would refuse."""
+    cfg = hf_config("Qwen3-30B-A3B", "policy.model_name")
+    with pytest.raises(ConfigError, match=r"config key 'policy.backend': megatron does not build Mixture-of-Experts "
+                                          r"models yet \(qwen3_moe: 128 experts\)"):
+        decoder_spec(cfg, scalar_head=False, megatron=True)
