@@ -111,7 +111,7 @@ def computed_tokens(policy, batch: dict, kind: str) -> int:
     from nemo_grpo.policy import dp_row_order
 
     cfg, lengths = policy.cfg, batch["input_lengths"]
-    order, _ = dp_row_order(len(lengths), policy.dp_size, cfg.train_global_batch_size)
+    order = dp_row_order(len(lengths), policy.dp_size, cfg.train_global_batch_size)
     shards = [{"input_lengths": lengths[rows[rows >= 0]], "input_ids": lengths[rows[rows >= 0]]} for rows in order]
     plan = policy._micro_batch_plan([s["input_lengths"].tolist() for s in shards], kind) or [
         fixed_size_groups(len(s["input_lengths"]), TRAIN_ROWS if kind == "train" else LOGPROB_ROWS) for s in shards]

@@ -51,16 +51,13 @@ class ShippedRows:
 
     batch: the driver's dict of the rows (the same tensors, not copies), B rows.
     refs: per DP rank, the ObjectRef of its rows {key: [r, ...]}.
-    order: per DP rank, the batch row of each of its rows, [r] long; -1 marks a padding row (a copy of row 0
-        that evens out the ranks' forwards; its result is dropped).
-    train_layout: rank d holds, for each global batch g in turn, rows [g gbs + d gbs/dp, g gbs + (d+1) gbs/dp)
-        (what `train` needs); False when B is no multiple of policy.train_global_batch_size (forward only).
+    order: per DP rank, the batch row of each of its rows, [r] long (dp_row_order); -1 marks a padding row (a
+        copy of row 0 that evens out the ranks' forwards; its result is dropped).
     """
 
     batch: dict[str, Any]
     refs: list
     order: list[torch.Tensor]
-    train_layout: bool
 
     @property
     def lengths(self) -> list[list[int]]:
@@ -76,18 +73,18 @@ class ShippedRows:
         return out
 
 
-def dp_row_order(n: int, dp: int, global_batch: int) -> tuple[list[torch.Tensor], bool]:
-    """Which batch rows each of `dp` ranks holds (ShippedRows.order) and whether that is train's layout: each
-    global batch cut into dp equal contiguous parts when global_batch divides n and dp divides global_batch;
-    else n rows in dp contiguous parts as even as possible, the short ones padded with -1."""
+def dp_row_order(n: int, dp: int, global_batch: int) -> list[torch.Tensor]:
+    """Which batch rows each of `dp` ranks holds (ShippedRows.order). Train's layout whenever train can run (n a
+    multiple of global_batch, global_batch of dp): rank d holds, for each global batch in turn, its d-th of dp
+    equal contiguous parts. Else (forward only) n rows in dp contiguous parts as even as possible, the short
+    ones padded with -1."""
     if n % global_batch == 0 and global_batch % dp == 0:
         k = global_batch // dp
         return [torch.cat([torch.arange(g + d * k, g + (d + 1) * k) for g in range(0, n, global_batch)])
-                for d in range(dp)], True
+                for d in range(dp)]
     sizes = split_sizes(n, dp)
     starts = [sum(sizes[:d]) for d in range(dp)]
-    return [torch.cat([torch.arange(s, s + k), torch.full((max(sizes) - k,), -1)])
-            for s, k in zip(starts, sizes)], False
+    return [torch.cat([torch.arange(s, s + k), torch.full((max(sizes) - k,), -1)]) for s, k in zip(starts, sizes)]
 
 
 class Policy:
@@ -126,9 +123,9 @@ class Policy:
         n = batch_size_of(batch)
         if n == 0:
             raise ValueError(f"{self.name}: empty batch")
-        order, train_layout = dp_row_order(n, self.dp_size, self.cfg.train_global_batch_size)
+        order = dp_row_order(n, self.dp_size, self.cfg.train_global_batch_size)
         refs = [ray.put(take_rows(batch, rows.clamp(min=0).tolist())) for rows in order]
-        return ShippedRows(batch, refs, order, train_layout)
+        return ShippedRows(batch, refs, order)
 
     def _micro_batch_plan(self, lengths: list[list[int]], kind: str) -> Optional[list]:
         """Per DP shard (its rows' input_lengths), its rows grouped into micro-batches under a token budget

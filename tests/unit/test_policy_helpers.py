@@ -57,16 +57,15 @@ def test_take_rows_in_the_given_order():
 
 
 def test_dp_row_order_is_trains_layout_when_global_batches_divide():
-    order, train_layout = dp_row_order(8, 2, 4)  # 2 global batches of 4, 2 ranks: 2 rows of each per rank
-    assert train_layout and [o.tolist() for o in order] == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    order, train_layout = dp_row_order(5, 2, 4)  # forward only: even split, the short rank padded with -1
-    assert not train_layout and [o.tolist() for o in order] == [[0, 1, 2], [3, 4, -1]]
+    order = dp_row_order(8, 2, 4)  # 2 global batches of 4, 2 ranks: 2 rows of each per rank
+    assert [o.tolist() for o in order] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    order = dp_row_order(5, 2, 4)  # forward only: even split, the short rank padded with -1
+    assert [o.tolist() for o in order] == [[0, 1, 2], [3, 4, -1]]
 
 
 def test_shipped_rows_gather_back_in_batch_order_without_padding_rows():
     batch = {"input_ids": torch.zeros(5, 2, dtype=torch.long), "input_lengths": torch.tensor([1, 2, 3, 4, 5])}
-    order, _ = dp_row_order(5, 2, 4)
-    rows = ShippedRows(batch, refs=[None, None], order=order, train_layout=False)
+    rows = ShippedRows(batch, refs=[None, None], order=dp_row_order(5, 2, 4))
     assert rows.lengths == [[1, 2, 3], [4, 5, 1]]  # the padding row is a copy of row 0
     per_dp = [torch.tensor([[10.0], [20.0], [30.0]]), torch.tensor([[40.0], [50.0], [-1.0]])]
     assert rows.gather(per_dp).view(-1).tolist() == [10.0, 20.0, 30.0, 40.0, 50.0]
