@@ -38,6 +38,7 @@ class DTensorConfig:
     tensor_parallel_size: int = 1
     # data-parallel (FSDP2) degree; null = world size / tensor_parallel_size
     data_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
     activation_checkpointing: bool = False
 
 

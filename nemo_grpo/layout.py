@@ -16,7 +16,7 @@ from typing import Optional
 from nemo_grpo.errors import ConfigError
 
 DEGREE_NAMES = {"tp": "tensor parallel", "pp": "pipeline parallel", "cp": "context parallel", "dp": "data parallel"}
-DTENSOR_KEYS = {"tp": "tensor_parallel_size", "dp": "data_parallel_size"}
+DTENSOR_KEYS = {"tp": "tensor_parallel_size", "dp": "data_parallel_size", "cp": "context_parallel_size"}
 MEGATRON_KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
                  "cp": "context_parallel_size"}
 
@@ -76,7 +76,8 @@ def backend_layout(backend: str, dtensor_cfg, megatron_cfg, world: int, prefix: 
                                     cp=m.context_parallel_size, keys=keys, where=where)
     d = dtensor_cfg
     keys = {k: f"{prefix}.dtensor_cfg.{v}" for k, v in DTENSOR_KEYS.items()}
-    return ParallelLayout.build(world, tp=d.tensor_parallel_size, dp=d.data_parallel_size, keys=keys, where=where)
+    return ParallelLayout.build(world, tp=d.tensor_parallel_size, dp=d.data_parallel_size,
+                                cp=d.context_parallel_size, keys=keys, where=where)
 
 
 def policy_layout(policy_cfg, world: int, prefix: str = "policy", where: str = "") -> ParallelLayout:

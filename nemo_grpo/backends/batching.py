@@ -140,14 +140,19 @@ def attention_mask_from_lengths(input_lengths: torch.Tensor, seq_len: int) -> to
     return (torch.arange(seq_len, device=input_lengths.device)[None, :] < input_lengths[:, None]).long()
 
 
+def next_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logits [B, S, V] (full vocabulary), targets [B, S] -> [B, S]: log_softmax(logits / temperature) at each
+    position's target (the next token)."""
+    scaled = logits.float() / temperature
+    return scaled.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+
+
 def token_logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                temperature: float = 1.0) -> torch.Tensor:
     """logits [B, T, V] (full vocabulary), input_ids [B, T], attention_mask [B, T] -> logprobs [B, T].
 
     logprobs[:, t] = log_softmax(logits[:, t - 1] / temperature)[input_ids[:, t]]; column 0 and padding are 0.
     """
-    scaled = logits[:, :-1].float() / temperature  # [B, T-1, V]
-    target = input_ids[:, 1:, None]  # [B, T-1, 1]
-    lp = scaled.gather(-1, target).squeeze(-1) - torch.logsumexp(scaled, dim=-1)  # [B, T-1]
+    lp = next_token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)  # [B, T-1]
     lp = torch.where(attention_mask[:, 1:].bool(), lp, torch.zeros_like(lp))
     return torch.nn.functional.pad(lp, (1, 0))  # [B, T]

@@ -10,16 +10,22 @@ causal mask [1, 1, t, t] (s² attention: Megatron's unfused attention, and the r
 
 Both give per-position outputs [r, t] (r = b rows, or 1), and `to_rows` maps them back to the data contract's
 [b, T]: each sequence's positions at columns 0..len-1, column 0 and the padding 0.
+
+Context parallelism (`split_context`): the model sees this CP rank's share of the positions (ids, RoPE positions,
+next-token targets; backends/context_parallel.py), and its per-position outputs are gathered back to [r, t]
+(`logprobs_from_next`, `last_tokens`) before anything else reads them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 from nemo_grpo.backends.batching import attention_mask_from_lengths
+from nemo_grpo.backends.context_parallel import ContextGroup, ContextShard
 
 
 @dataclass
@@ -27,7 +33,9 @@ class ModelInputs:
     """input_ids [r, t]; attention_mask: padded [r, t] long (1 on real tokens), packed [1, 1, t, t] bool (True
     where a query may attend a key) or None (varlen); position_ids [r, t] (None: 0..t-1 on every row);
     token_mask [r, t] (1 on the sequences' tokens); seq_row, seq_start, seq_len [b]: where each sequence lies;
-    cu_seqlens [n + 1] (packed only): the row's segment boundaries 0 .. t, the padding tail a segment."""
+    cu_seqlens [n + 1] (packed only): the row's segment boundaries 0 .. t, the padding tail a segment.
+    Under context parallelism (`context` set): input_ids, position_ids and targets [r, 2c] are this rank's
+    positions, attention_mask is None; every other field describes the whole row."""
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: Optional[torch.Tensor]
@@ -36,6 +44,8 @@ class ModelInputs:
     seq_start: torch.Tensor
     seq_len: torch.Tensor
     cu_seqlens: Optional[torch.Tensor] = None
+    context: Optional[ContextShard] = None
+    targets: Optional[torch.Tensor] = None  # set with context: the next token at each of its positions
 
     @property
     def packed(self) -> bool:
@@ -48,7 +58,24 @@ class ModelInputs:
 
     @property
     def width(self) -> int:
-        return int(self.input_ids.shape[1])
+        """Positions of the row (all CP ranks' together)."""
+        return self.context.width if self.context is not None else int(self.input_ids.shape[1])
+
+    @property
+    def next_tokens(self) -> torch.Tensor:
+        """[r, s] the token after each position the model sees (0 after the last): what its logits predict."""
+        return self.targets if self.targets is not None else F.pad(self.input_ids[:, 1:], (0, 1))
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position outputs of the positions the model saw [r, s, ...] -> the whole row's [r, t, ...]
+        (gathered over the CP group; every CP rank must then compute the same thing from them)."""
+        return values if self.context is None else self.context.gather(values, 1)
+
+    def logprobs_from_next(self, next_logprobs: torch.Tensor) -> torch.Tensor:
+        """[r, s] log p(next_tokens | prefix) at each position the model saw -> [r, t] log-probs of each position's
+        own token (position p: log p(token p | tokens < p)), 0 in column 0 and where token_mask is 0."""
+        lp = F.pad(self.gather(next_logprobs)[:, :-1], (1, 0))
+        return torch.where(self.token_mask.bool(), lp, torch.zeros_like(lp))
 
     def to_rows(self, values: torch.Tensor, full_t: int) -> torch.Tensor:
         """Per-position values [r, t] -> [b, full_t]: sequence i's positions at columns 0..len_i-1; column 0
@@ -60,8 +87,9 @@ class ModelInputs:
         return torch.where(keep, out, torch.zeros_like(out))
 
     def last_tokens(self, values: torch.Tensor) -> torch.Tensor:
-        """values [r, t, ...] -> [b, ...] at each sequence's last token (e.g. a scalar head's score)."""
-        return values[self.seq_row, self.seq_start + self.seq_len - 1]
+        """values [r, s, ...] of the positions the model saw -> [b, ...] at each sequence's last token (e.g. a
+        scalar head's score)."""
+        return self.gather(values)[self.seq_row, self.seq_start + self.seq_len - 1]
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -115,3 +143,22 @@ def _packed(input_ids: torch.Tensor, lengths: torch.Tensor, width: int, dense_ma
     token_mask = (segment < b).long()
     return ModelInputs(ids[None], attend, positions[None], token_mask[None], torch.zeros_like(lengths), starts,
                        lengths, cu_seqlens)
+
+
+def split_context(inputs: ModelInputs, group: ContextGroup) -> ModelInputs:
+    """Whole-row model inputs -> this CP rank's share (as is for a group of one). The row's width must be a
+    multiple of 2 x group.size (the worker's width multiple)."""
+    if group.size == 1:
+        return inputs
+    segments = None
+    if inputs.packed:
+        bounds = inputs.cu_seqlens
+        segments = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=bounds.device), bounds.diff())
+    shard = ContextShard(group, inputs.width, segments)
+    r, t = inputs.input_ids.shape
+    positions = inputs.position_ids
+    if positions is None:
+        positions = torch.arange(t, device=inputs.input_ids.device)[None].expand(r, t)
+    return replace(inputs, input_ids=shard.take(inputs.input_ids), attention_mask=None,
+                   position_ids=shard.take(positions), targets=shard.take(F.pad(inputs.input_ids[:, 1:], (0, 1))),
+                   context=shard)

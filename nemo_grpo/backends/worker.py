@@ -20,6 +20,7 @@ clipping rule are nemo_grpo/backends/optimizer.py's; per-rank checkpoint state i
 from __future__ import annotations
 
 import contextlib
+import math
 from abc import ABC, abstractmethod
 from typing import Any, Iterator, Optional
 
@@ -28,7 +29,8 @@ import torch.distributed as dist
 
 from nemo_grpo.backends import checkpoint_state
 from nemo_grpo.backends.batching import batch_size_of, fixed_size_groups, slice_batch, take_rows
-from nemo_grpo.backends.model_inputs import ModelInputs, model_inputs
+from nemo_grpo.backends.context_parallel import context_group
+from nemo_grpo.backends.model_inputs import ModelInputs, model_inputs, split_context
 from nemo_grpo.backends.optimizer import build_optimizer, clip_coefficient, lr_warmup_factor
 from nemo_grpo.distributed.worker_group import init_torch_distributed
 from nemo_grpo.layout import ParallelLayout, policy_layout
@@ -61,7 +63,9 @@ class PolicyWorker(ABC):
     """One rank of a policy (a Ray actor started by WorkerGroup; the process group exists before the model), and
     a WeightSource (weights/protocols.py) whose `weight_sender` the refitters drive.
 
-    self.parallel_layout is the validated (dp, tp, pp, cp) layout. Subclasses set in `_build_model`:
+    self.parallel_layout is the validated (dp, tp, pp, cp) layout; self.context this rank's context-parallel
+    group (backends/context_parallel.py: its ranks get the same rows, each runs a share of their positions).
+    Subclasses set in `_build_model`:
     self.model, self.dp_rank, self.dp_size, self.output_rank (this rank returns the results of its data-parallel
     group) and, for tied weights, self.tied_aliases.
     """
@@ -74,6 +78,7 @@ class PolicyWorker(ABC):
         self.device = init_torch_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.parallel_layout: ParallelLayout = policy_layout(cfg, self.world_size)
+        self.context = context_group(self.parallel_layout, self.rank)
         torch.manual_seed(seed)
         self._build_model()
         self.optimizer = self._make_optimizer([p for p in self.model.parameters() if p.requires_grad])
@@ -233,15 +238,18 @@ class PolicyWorker(ABC):
 
     def _width_multiple(self) -> int:
         """Columns of a forward are a multiple of this: policy.sequence_packing.sequence_length_round for packed
-        rows, else 1 (a back end may need more, e.g. Megatron's sequence parallelism)."""
+        rows, else 1; and of 2 x cp under context parallelism (a back end may need more, e.g. Megatron's
+        sequence parallelism)."""
         packing = self.cfg.sequence_packing
-        return packing.sequence_length_round if packing.enabled else 1
+        return math.lcm(packing.sequence_length_round if packing.enabled else 1, 2 * self.context.size)
 
     def _model_inputs(self, mb: dict[str, Any], width: Optional[int] = None) -> ModelInputs:
         """A micro-batch on device -> what the model takes: padded rows, or one packed row with sequence
-        packing on (nemo_grpo/backends/model_inputs.py)."""
-        return model_inputs(mb, self.cfg.sequence_packing.enabled, self._width_multiple(), width,
-                            dense_mask=self._dense_packing_mask())
+        packing on (nemo_grpo/backends/model_inputs.py); this rank's share of their positions under context
+        parallelism."""
+        inputs = model_inputs(mb, self.cfg.sequence_packing.enabled, self._width_multiple(), width,
+                              dense_mask=self._dense_packing_mask() and self.context.size == 1)
+        return split_context(inputs, self.context)
 
     def _dense_packing_mask(self) -> bool:
         """Packed rows attend through a dense block-diagonal mask (policy.sequence_packing.attention=mask), not

@@ -1,6 +1,8 @@
 """FSDP2 + tensor parallelism for Hugging Face decoder models (Llama, Qwen2, Qwen3), and DTensor-aware grad helpers.
 
-Layout: a 2-D device mesh (dp, tp), tp innermost (rank = dp_rank * tp + tp_rank).
+Layout: a 2-D device mesh (dp, tp), tp innermost (rank = dp_rank * tp + tp_rank). Under context parallelism the
+mesh's dp axis is dp x cp (cp inner): CP ranks hold the same weights, so FSDP shards over them too and sums their
+gradients (backends/context_parallel.py).
 - TP (`parallelize_module` over the tp axis): q/k/v/gate/up ColwiseParallel (output features split), o/down
   RowwiseParallel (input features split, output all-reduced). Attention then runs on the local heads.
   The embedding, the final norm and lm_head / the score head stay replicated over tp: every TP rank computes

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from nemo_grpo.backends.batching import token_logprobs_from_logits
+from nemo_grpo.backends.batching import next_token_logprobs
 from nemo_grpo.backends.dtensor import lora as peft_lora
 from nemo_grpo.backends.dtensor import parallelize as par
 from nemo_grpo.backends.dtensor.attention import VARLEN, varlen_kwargs
@@ -51,9 +51,10 @@ class DTensorPolicyWorker(PolicyWorker):
         self.dp_size, self.tp_size = layout.dp, tp
         coords = layout.rank_coords(self.rank)
         self.dp_rank, self.tp_rank = coords["dp"], coords["tp"]
-        self.output_rank = self.tp_rank == 0
-        self.mesh = par.build_mesh(self.device.type, self.dp_size, self.tp_size)
-        attn = VARLEN if cfg.sequence_packing.enabled else None  # packed rows: per segment, or the dense mask
+        self.output_rank = self.tp_rank == 0 and self.context.rank == 0
+        self.mesh = par.build_mesh(self.device.type, self.dp_size * layout.cp, self.tp_size)  # FSDP over dp x cp
+        # packed rows (per segment, or the dense mask) and context parallelism go through attention.py
+        attn = VARLEN if cfg.sequence_packing.enabled or layout.cp > 1 else None
         if self.scalar_head:
             model = AutoModelForSequenceClassification.from_pretrained(self.model_path, num_labels=1,
                                                                        dtype=torch.float32, attn_implementation=attn)
@@ -77,16 +78,20 @@ class DTensorPolicyWorker(PolicyWorker):
     def _forward(self, inputs: ModelInputs):
         """The HF model on [r, t] ids with a 2D padding mask; a packed row with per-sequence position ids and its
         segment boundaries (attention per segment), or its 4D block-diagonal causal mask (SDPA does not isolate
-        packed sequences from position ids alone)."""
-        extra = varlen_kwargs(inputs.cu_seqlens) if inputs.varlen else {}
+        packed sequences from position ids alone); under context parallelism this rank's positions, their true
+        position ids and the CP shard (no mask)."""
+        if inputs.context is not None:
+            extra = {"context_shard": inputs.context}
+        else:
+            extra = varlen_kwargs(inputs.cu_seqlens) if inputs.varlen else {}
         return self.model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
                           position_ids=inputs.position_ids, use_cache=False, **extra)
 
     def _logprobs(self, inputs: ModelInputs) -> torch.Tensor:
         """-> [r, t]: full-vocabulary logits on every rank (lm_head replicated over tp), / temperature."""
-        logits = par.full_tensor(self._forward(inputs).logits)  # [r, t, V]
-        return token_logprobs_from_logits(logits, inputs.input_ids, inputs.token_mask,
-                                          self.cfg.generation.temperature)
+        logits = par.full_tensor(self._forward(inputs).logits)  # [r, s, V] (s: this CP rank's positions)
+        return inputs.logprobs_from_next(next_token_logprobs(logits, inputs.next_tokens,
+                                                             self.cfg.generation.temperature))
 
     def _scores(self, inputs: ModelInputs) -> torch.Tensor:
         """-> [b]: the score head's output at each sequence's last token (captured by a forward hook, since HF's

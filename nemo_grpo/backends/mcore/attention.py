@@ -4,13 +4,16 @@ Megatron-Core's local `DotProductAttention` materialises the [b, heads, s, s] sc
 bmm); SDPA picks a fused kernel instead: flash or memory-efficient on GPUs, a fused CPU kernel here. It is the
 default core attention where Transformer Engine is absent (`policy.megatron_cfg.attention_backend`).
 
-A packed row attends per segment (backends/varlen.py): the worker passes its boundaries as Megatron's
+Under context parallelism (backends/context_parallel.py) the worker passes `ContextParams`: the rank's queries
+attend over the K and V of the whole row, gathered over the CP group. A packed row attends per segment
+(backends/varlen.py): the worker passes its boundaries as Megatron's
 `PackedSeqParams` with qkv_format "sbhd" (the row stays [s, 1, ...]: Megatron's THD path and its RoPE by
 cu_seqlens are not taken; RoPE positions come from mcore/model.py `RotaryPositions`) and no attention mask.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -20,6 +23,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from nemo_grpo.backends.context_parallel import ContextShard
 from nemo_grpo.backends.varlen import packed_attention
 
 
@@ -58,6 +62,10 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPA core attention takes no attention bias")
         sq, b = query.shape[:2]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads or groups, s, hn]
+        context = getattr(packed_seq_params, "context", None)
+        if context is not None:  # this CP rank's positions over the whole row's keys
+            out = context.attend(q, k, v, self.softmax_scale, self.dropout if self.training else 0.0)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "sbhd" or attention_mask is not None:
                 raise ValueError("SDPA core attention takes packed_seq_params as one sbhd row without a mask "
@@ -80,3 +88,15 @@ def segment_params(cu_seqlens: torch.Tensor) -> PackedSeqParams:
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+@dataclass
+class ContextParams(PackedSeqParams):
+    """PackedSeqParams carrying a context-parallel shard down to SDPAttention (GPTModel passes them through)."""
+    context: Optional[ContextShard] = None
+
+
+def context_params(shard: ContextShard) -> ContextParams:
+    """Under context parallelism: qkv_format sbhd (Megatron keeps its [s, b, ...] layout and its own CP is off);
+    max_seqlen the whole row, so GPTModel's RoPE table covers every true position RotaryPositions looks up."""
+    return ContextParams(qkv_format="sbhd", max_seqlen_q=shard.width, max_seqlen_kv=shard.width, context=shard)

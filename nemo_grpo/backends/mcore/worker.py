@@ -39,7 +39,7 @@ from transformers import AutoConfig
 
 from nemo_grpo.backends.mcore import model as mmodel
 from nemo_grpo.backends.mcore import shim, weights
-from nemo_grpo.backends.mcore.attention import segment_params
+from nemo_grpo.backends.mcore.attention import context_params, segment_params
 from nemo_grpo.backends.mcore.distopt import MegatronDistributedOptimizer, ShardedState
 from nemo_grpo.backends.mcore.lora import MegatronLora, parameters_by_name
 from nemo_grpo.backends.model_inputs import ModelInputs, natural_width
@@ -72,9 +72,12 @@ class MegatronPolicyWorker(PolicyWorker):
             model = mmodel.build_gpt(self.spec, self.mconfig, m.attention_backend).to(self.device)
         self.tp_size, self.pp_size = tp, pp
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        # the data this rank takes (its CP peers take the same rows); Megatron's data-parallel group is dp x cp
+        # (it is built with cp 1: the CP ranks are replicas of the weights whose gradients are summed)
+        self.dp_rank, self.dp_size = self.parallel_layout.rank_coords(self.rank)["dp"], self.parallel_layout.dp
+        self.replica_rank = ps.get_data_parallel_rank()  # this rank's index among the replicas of its shard
         self.is_last_stage = self.pp_rank == pp - 1
-        self.output_rank = self.is_last_stage and self.tp_rank == 0
+        self.output_rank = self.is_last_stage and self.tp_rank == 0 and self.context.rank == 0
         local = weights.to_megatron(mmodel.hf_tensor_reader(self.model_path), self.spec, tp, self.tp_rank, pp,
                                     self.pp_rank)
         mmodel.load_local(model, local)
@@ -165,9 +168,10 @@ class MegatronPolicyWorker(PolicyWorker):
         return super()._dense_packing_mask() or self.cfg.megatron_cfg.attention_backend != "sdpa"
 
     def _width_multiple(self) -> int:
-        """Sequence parallelism splits the columns over tp: a multiple of tp (and of the packing round)."""
+        """Sequence parallelism splits each CP rank's columns over tp: a multiple of tp x cp (and of the packing
+        round, and of 2 x cp)."""
         base = super()._width_multiple()
-        return math.lcm(base, self.tp_size) if self.mconfig.sequence_parallel else base
+        return math.lcm(base, self.tp_size * self.context.size) if self.mconfig.sequence_parallel else base
 
     def _run_schedule(self, micro_batches: list[tuple[dict[str, Any], ModelInputs]],
                       on_output: Callable[[dict, ModelInputs, torch.Tensor], Any], forward_only: bool) -> None:
@@ -175,15 +179,17 @@ class MegatronPolicyWorker(PolicyWorker):
         [r, s]. on_output(mb, inputs, output) runs on the last stage with the model output ([r, s, V/tp] logits
         or [r, s, 1] scores) and returns the scalar to backpropagate when training (else None). Packed rows pass
         their segments (attention per segment) or block-diagonal mask (True = masked, Megatron's convention) and
-        per-sequence RoPE positions."""
+        per-sequence RoPE positions; under context parallelism each rank's share of the positions, their true
+        RoPE positions and the CP shard (attention.context_params)."""
         def step(data_iterator, model):
             mb, inputs = next(data_iterator)
             ids = inputs.input_ids  # [r, s]
-            pos = inputs.position_ids if inputs.packed else torch.arange(ids.shape[1], device=ids.device)[None]
-            mask = ~inputs.attention_mask if inputs.packed and not inputs.varlen else None
-            with self.rope_positions.use(inputs.position_ids if inputs.packed else None):
+            own_positions = inputs.packed or inputs.context is not None
+            pos = inputs.position_ids if own_positions else torch.arange(ids.shape[1], device=ids.device)[None]
+            mask = ~inputs.attention_mask if inputs.attention_mask is not None and inputs.packed else None
+            with self.rope_positions.use(inputs.position_ids if own_positions else None):
                 output = model(ids, pos.expand_as(ids), attention_mask=mask,
-                               packed_seq_params=segment_params(inputs.cu_seqlens) if inputs.varlen else None)
+                               packed_seq_params=_attention_params(inputs))
             return output, partial(closure, mb, inputs)
 
         def closure(mb, inputs, output):
@@ -199,18 +205,18 @@ class MegatronPolicyWorker(PolicyWorker):
                 num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=r, forward_only=forward_only)
 
     def _token_logprobs(self, logits: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
-        """Local logits [r, s, V_pad/tp] -> log-probs [r, s], 0 where inputs.token_mask is 0 and in column 0.
+        """Local logits [r, s, V_pad/tp] -> log-probs [r, t] (inputs.logprobs_from_next: gathered over CP, 0 in
+        column 0 and where inputs.token_mask is 0).
 
         Vocab-parallel: `vocab_parallel_cross_entropy` reduces max / sum-exp over the TP group and overwrites
         its input, so it gets a fresh tensor (the temperature division); padded vocabulary columns are -inf."""
-        scaled = logits[:, :-1].float() / self.cfg.generation.temperature  # [r, s-1, V_pad/tp], a new tensor
+        scaled = logits.float() / self.cfg.generation.temperature  # [r, s, V_pad/tp], a new tensor
         if self.spec.padded_vocab > self.spec.vocab:
             width = scaled.shape[-1]
             col = torch.arange(width, device=scaled.device) + self.tp_rank * width
             scaled = scaled.masked_fill(col >= self.spec.vocab, float("-inf"))
-        lp = -tensor_parallel.vocab_parallel_cross_entropy(scaled, inputs.input_ids[:, 1:])  # [r, s-1]
-        lp = torch.where(inputs.token_mask[:, 1:].bool(), lp, torch.zeros_like(lp))
-        return torch.nn.functional.pad(lp, (1, 0))  # [r, s]
+        lp = -tensor_parallel.vocab_parallel_cross_entropy(scaled, inputs.next_tokens)  # [r, s]
+        return inputs.logprobs_from_next(lp)
 
     def _last_stage_output(self, inputs: ModelInputs, fn, empty: torch.Tensor) -> torch.Tensor:
         """Forward-only over one micro-batch's inputs (every stage runs it); fn(output) on the last stage,
@@ -222,7 +228,7 @@ class MegatronPolicyWorker(PolicyWorker):
     def _logprobs(self, inputs: ModelInputs) -> torch.Tensor:
         """-> [r, s] log-probs at generation.temperature (zeros on ranks that are not output ranks)."""
         return self._last_stage_output(inputs, lambda out: self._token_logprobs(out, inputs),
-                                       torch.zeros(inputs.input_ids.shape, device=self.device))
+                                       torch.zeros(inputs.token_mask.shape, device=self.device))
 
     def _scores(self, inputs: ModelInputs) -> torch.Tensor:
         """-> [b]: the scalar head at each sequence's last token (zeros off the last stage)."""
@@ -278,7 +284,7 @@ class MegatronPolicyWorker(PolicyWorker):
             with shim.device_context():
                 return self.dist_opt.reduce_gradients(before=self._model_parallel_grad_sums)
         self._model_parallel_grad_sums()
-        if self.dp_size > 1:
+        if ps.get_data_parallel_world_size() > 1:
             _all_reduce_flat(self._grads(list(self.main)), ps.get_data_parallel_group())
 
     def _model_parallel_grad_sums(self) -> None:
@@ -332,12 +338,12 @@ class MegatronPolicyWorker(PolicyWorker):
         for name in names:
             e = (table or self.entries)[name]
             full = None
-            if self.pp_rank == e.stage and self.dp_rank == 0:
+            if self.pp_rank == e.stage and self.replica_rank == 0:
                 if e.mcore not in gathered:
                     gathered[e.mcore] = _tp_shards(self.params[e.mcore], local[e.mcore],
                                                    ps.get_tensor_model_parallel_group(), self.tp_size)
                 full = weights.to_hf(e, gathered[e.mcore], self.spec).contiguous()
-            sender = e.stage != 0 and self.pp_rank == e.stage and self.dp_rank == 0 and self.tp_rank == 0
+            sender = e.stage != 0 and self.pp_rank == e.stage and self.replica_rank == 0 and self.tp_rank == 0
             if sender:
                 dist.send(full.cpu() if self.device.type == "cpu" else full, dst=0)
             elif self.rank == 0:
@@ -439,6 +445,14 @@ class MegatronPolicyWorker(PolicyWorker):
         for n, p in self.main.items():
             state[p].update({key: by_name[n].to(self.device).clone() for key, by_name in moments.items()})
             state[p].update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()})
+
+
+def _attention_params(inputs: ModelInputs):
+    """What GPTModel passes down to the core attention for these inputs: the CP shard, a packed row's segments
+    (attention per segment), or None."""
+    if inputs.context is not None:
+        return context_params(inputs.context)
+    return segment_params(inputs.cu_seqlens) if inputs.varlen else None
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
