@@ -140,13 +140,15 @@ class _GatherRow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, shard: ContextShard, dim: int, sum_grads: bool) -> torch.Tensor:
         ctx.shard, ctx.dim, ctx.sum_grads = shard, dim, sum_grads
-        parts = [torch.empty_like(x) for _ in range(shard.group.size)]
-        dist.all_gather(parts, x.contiguous(), group=shard.group.group)
-        return shard._assemble(parts, dim)
+        with torch.profiler.record_function("context_parallel.gather"):  # (bench/long_context.py reads the name)
+            parts = [torch.empty_like(x) for _ in range(shard.group.size)]
+            dist.all_gather(parts, x.contiguous(), group=shard.group.group)
+            return shard._assemble(parts, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if ctx.sum_grads:
-            grad = grad.contiguous().clone()
-            dist.all_reduce(grad, group=ctx.shard.group.group)
+            with torch.profiler.record_function("context_parallel.gather_backward"):
+                grad = grad.contiguous().clone()
+                dist.all_reduce(grad, group=ctx.shard.group.group)
         return ctx.shard.take(grad, ctx.dim), None, None, None
