@@ -265,6 +265,7 @@ def test_known_models_are_sized_like_their_published_configs():
     sizes = {name: total_params(decoder_spec(hf_config(f"/x/{name}", "k"), False, megatron=False))
              for name in KNOWN_MODELS}
     assert sizes["qwen2.5-1.5b"] == 1_543_714_304 and sizes["llama-3.3-70b"] == 70_553_706_496
+    assert sizes["qwen3-32b"] == sizes["qwen3-32b-yarn"] == 32_762_123_264  # Qwen3-32B's model card: 32.8B
 
 
 # ---------------------------------------------------------------------------------------------- LoRA
@@ -446,3 +447,21 @@ def test_dtensor_context_parallel_figures_by_hand(small_model_dir):
     assert train["logits"] == before["logits"] / 2 == 32 * 16 / 2 * 1000 * (4 + 4 + 4)  # the full vocabulary
     assert train["gathered K/V (cp 2, every layer)"] == 2 * 32 * 16 * 1 * 64 * 4 * 2  # 32 rows x 16 tok, fp32, 2 layers
 
+
+def test_long_context_recipes_need_their_context_parallelism():
+    """Qwen3-32B at 131,072 tokens on 8 x 8 GPUs fits with TP 8 x CP 8 and recomputation, with neither CP (a rank
+    would run whole rows) nor recomputation; Llama-3.3-70B at 32k: CP 2 x DP 2 in place of the 4k recipe's DP 4."""
+    recipe = os.path.join(ROOT, "configs", "grpo_math_qwen3_32b_128k_megatron.yaml")
+    cfg, _, memory = plan_recipe(recipe, [])
+    spec = decoder_spec(hf_config(cfg.policy.model_name, "k"), False, 8, 1)
+    assert (spec.rope_scaling.kind, spec.rope_scaling.factor, spec.rope_scaling.original_max_positions) == \
+        ("yarn", 4.0, 32768)
+    assert memory.roles[0].layout.startswith("megatron TP 8 x PP 1 x CP 8 x DP 1 = 64 GPUs")
+    train = _rows(memory, 0, 0, "training")
+    assert train["gathered K/V (cp 8, 1 layer)"] == 2 * 131072 * (8 // 8) * 128 * 2  # 64 MiB
+    assert memory.problems() == []
+    for off in ("context_parallel_size=1", "activation_checkpointing=false"):
+        assert plan_recipe(recipe, [f"policy.megatron_cfg.{off}"])[2].problems() != []
+    _, _, memory = plan_recipe(os.path.join(ROOT, "configs", "grpo_math_70B_32k_megatron.yaml"), [])
+    assert memory.roles[0].layout.startswith("megatron TP 8 x PP 2 x CP 2 x DP 2 = 64 GPUs")
+    assert memory.problems() == []
