@@ -38,6 +38,8 @@ class DTensorConfig:
     tensor_parallel_size: int = 1
     # data-parallel (FSDP2) degree; null = world size / tensor_parallel_size
     data_parallel_size: Optional[int] = None
+    # context-parallel degree: each sequence cut into 2 x this many chunks over as many ranks (world = dp x cp x
+    # tp); the max_total_sequence_length and token budgets must divide by 2 x this (nemo_grpo/validation.py)
     context_parallel_size: int = 1
     activation_checkpointing: bool = False
 
@@ -51,11 +53,13 @@ class DistributedDataParallelConfig:
 
 @dataclass
 class MegatronConfig:
-    """policy.megatron_cfg: the Megatron-Core back end's layout (world size = tp x pp x dp)."""
+    """policy.megatron_cfg: the Megatron-Core back end's layout (world size = tp x cp x pp x dp)."""
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1  # must divide the model's num_hidden_layers
     sequence_parallel: bool = False  # with tp > 1: activations outside attention/MLP split along the sequence
-    context_parallel_size: int = 1  # only 1 is supported so far (rejected otherwise, with a message)
+    # context-parallel degree: each sequence cut into 2 x this many chunks over as many ranks (world = tp x cp x pp
+    # x dp); the max_total_sequence_length and token budgets must divide by 2 x this (x tp with sequence_parallel)
+    context_parallel_size: int = 1
     # Megatron-Core's DistributedOptimizer: fp32 main weights and optimizer state sharded over the data-parallel
     # ranks, gradients reduce-scattered by its DistributedDataParallel (distributed_data_parallel_config)
     use_distributed_optimizer: bool = False

@@ -5,7 +5,10 @@ one fails everywhere with the same message, naming each degree and the config ke
 
     layout = policy_layout(cfg.policy, world=4)        # ConfigError naming the key when impossible
     layout.dp, layout.tp, layout.pp                    # 2, 2, 1
-Rank order is tp fastest, then cp, then dp, then pp (Megatron-Core's default "tp-cp-ep-dp-pp").
+Rank order is tp fastest, then cp, then dp, then pp (Megatron-Core's default "tp-cp-ep-dp-pp"); the DTensor back
+end has no pp: world = dp x cp x tp, in the same order. Context-parallel ranks hold the same weights (like data-
+parallel ones: weights and optimizer state shard over dp x cp, gradients sum over dp x cp), each a share of every
+sequence.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Optional
 from nemo_grpo.errors import ConfigError
 
 DEGREE_NAMES = {"tp": "tensor parallel", "pp": "pipeline parallel", "cp": "context parallel", "dp": "data parallel"}
-DTENSOR_KEYS = {"tp": "tensor_parallel_size", "dp": "data_parallel_size", "cp": "context_parallel_size"}
+DTENSOR_KEYS = {"tp": "tensor_parallel_size", "cp": "context_parallel_size", "dp": "data_parallel_size"}
 MEGATRON_KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
                  "cp": "context_parallel_size"}
 
@@ -46,8 +49,9 @@ class ParallelLayout:
         shown = [d for d in named if d in keys] or list(named)  # the degrees the config sets, by their key
         degrees = " x ".join(f"{keys.get(d, d).rsplit('.', 1)[-1]} {named[d]}" for d in shown)
         if dp is None:
-            if world % model:
-                raise ConfigError(f"config key '{keys.get('tp', 'tp')}': {degrees} = {model} does not divide "
+            if world % model:  # the key named: the first degree that alone does not divide the world, else tp's
+                culprit = next((d for d in shown if world % named[d]), "tp")
+                raise ConfigError(f"config key '{keys.get(culprit, culprit)}': {degrees} = {model} does not divide "
                                   f"{where}")
             dp = world // model
         elif dp * model != world:
@@ -76,8 +80,8 @@ def backend_layout(backend: str, dtensor_cfg, megatron_cfg, world: int, prefix: 
                                     cp=m.context_parallel_size, keys=keys, where=where)
     d = dtensor_cfg
     keys = {k: f"{prefix}.dtensor_cfg.{v}" for k, v in DTENSOR_KEYS.items()}
-    return ParallelLayout.build(world, tp=d.tensor_parallel_size, dp=d.data_parallel_size,
-                                cp=d.context_parallel_size, keys=keys, where=where)
+    return ParallelLayout.build(world, tp=d.tensor_parallel_size, cp=d.context_parallel_size,
+                                dp=d.data_parallel_size, keys=keys, where=where)
 
 
 def policy_layout(policy_cfg, world: int, prefix: str = "policy", where: str = "") -> ParallelLayout:

@@ -123,9 +123,10 @@ def validate(cfg: MasterConfig, files: bool = True) -> None:
     _validate_data_env(cfg, files)
 
 
-def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy", scalar_head: bool = False) -> None:
+def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy", scalar_head: bool = False,
+                    width: Optional[tuple[str, int]] = None) -> None:
     """The policy section's own values (not its layout, which needs the world size); scalar_head: a reward
-    model's."""
+    model's; width: (key, value) of the longest row, if not `<prefix>.max_total_sequence_length`."""
     _choice(p.backend, f"{prefix}.backend", sorted(BACKENDS))
     _choice(p.precision, f"{prefix}.precision", PRECISIONS)
     _choice(p.optimizer.name, f"{prefix}.optimizer.name", ["adamw", "sgd"])
@@ -142,10 +143,10 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy", scalar
     _validate_dynamic_batching(p, prefix)
     _validate_sequence_packing(p, prefix)
     validate_lora(p.lora, scalar_head, prefix)
+    _validate_context_parallel(p, prefix, width or (f"{prefix}.max_total_sequence_length",
+                                                    p.max_total_sequence_length))
     if p.backend == "megatron":
         key = f"{prefix}.megatron_cfg."
-        _need(m.context_parallel_size == 1, key + "context_parallel_size",
-              f"got {m.context_parallel_size}; context parallelism is not built yet: only 1 is supported")
         _choice(m.layer_spec, key + "layer_spec", ["local", "transformer_engine"])
         _choice(m.attention_backend, key + "attention_backend", ["sdpa", "unfused"])
         _need(not p.lora.enabled or m.layer_spec == "local", key + "layer_spec",
@@ -153,6 +154,40 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy", scalar
               "norm + linear layers have no adapters: use local")
         _need(m.layer_spec == "local" or importlib.util.find_spec("transformer_engine") is not None,
               key + "layer_spec", "transformer_engine needs Transformer Engine installed (the gpu extra); use local")
+
+
+def _validate_context_parallel(p: PolicyConfig, prefix: str, width: tuple[str, int]) -> None:
+    """With context_parallel_size CP > 1 every row is cut into 2 x CP chunks (rank r holds chunks r and 2CP-1-r),
+    each chunk split again over the TP ranks by Megatron's sequence parallelism: the longest row (width: its key
+    and value) and, with sequence packing or dynamic batching, the token budgets and sequence_length_round
+    (filled in first by derive_token_budgets) must be multiples of that. CP runs in our SDPA core attention on
+    Megatron, so neither unfused attention nor the Transformer Engine spec (whose own CP is not wired)."""
+    megatron = p.backend == "megatron"
+    m, section = p.megatron_cfg, f"{prefix}.{'megatron_cfg' if megatron else 'dtensor_cfg'}."
+    cp = m.context_parallel_size if megatron else p.dtensor_cfg.context_parallel_size
+    if cp == 1:
+        return
+    cp_key, unit, why = section + "context_parallel_size", 2 * cp, f"2 x {section}context_parallel_size {cp}"
+    chunks = "context parallelism cuts every row into 2 x context_parallel_size equal chunks"
+    if megatron and m.sequence_parallel and m.tensor_model_parallel_size > 1:
+        tp = m.tensor_model_parallel_size
+        unit, why = unit * tp, why + f" x tensor_model_parallel_size {tp} (sequence_parallel)"
+        chunks += ", each split over the tensor-parallel ranks by sequence parallelism"
+    _need(width[1] % unit == 0, width[0], f"{width[1]} is not a multiple of {why} = {unit}: {chunks}")
+    for section_name in ("sequence_packing", "dynamic_batching"):
+        budgets = getattr(p, section_name)
+        if budgets.enabled:
+            for name in ("train_mb_tokens", "logprob_mb_tokens", "sequence_length_round"):
+                value = getattr(budgets, name)
+                _need(value % unit == 0, f"{prefix}.{section_name}.{name}",
+                      f"{value} is not a multiple of {why} = {unit}: {chunks}")
+    if megatron:
+        _need(m.attention_backend != "unfused", section + "attention_backend",
+              f"'unfused' with {cp_key} {cp}: context parallelism is built in the SDPA core attention only; "
+              f"use sdpa")
+        _need(m.layer_spec != "transformer_engine", section + "layer_spec",
+              f"'transformer_engine' with {cp_key} {cp}: Transformer Engine's own context parallelism is not "
+              f"wired; use local")
 
 
 def derive_token_budgets(p: PolicyConfig, section, key: str) -> None:
@@ -394,6 +429,7 @@ def _validate_reward_model(r: RewardModelEnvConfig, world: int, files: bool = Tr
     _positive(r.batch_size, key + "batch_size")
     _positive(r.max_model_len, key + "max_model_len")
     check_inactive_degrees(r.dtensor_cfg, r.megatron_cfg, prefix)
+    _validate_context_parallel(r.policy_config(), prefix, (key + "max_model_len", r.max_model_len))
     backend_layout(r.backend, r.dtensor_cfg, r.megatron_cfg, world, prefix,
                    where=f"the reward model's {world} devices ({key}resources)")
 
@@ -402,7 +438,7 @@ def _validate_reward_model(r: RewardModelEnvConfig, world: int, files: bool = Tr
 def validate_rm_train(cfg: RMTrainConfig) -> None:
     """Keys, files and batch shapes (whole pairs in every micro-batch and data-parallel shard)."""
     p = cfg.policy
-    validate_policy(p, files=True, scalar_head=True)
+    validate_policy(p, files=True, scalar_head=True, width=("data.max_seq_length", cfg.data.max_seq_length))
     _need(bool(cfg.data.train_data_path), "data.train_data_path", "is required (a JSONL of preference pairs)")
     _need_data_file(cfg.data.train_data_path, "data.train_data_path")
     _need_data_file(cfg.data.val_data_path, "data.val_data_path")

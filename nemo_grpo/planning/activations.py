@@ -12,7 +12,9 @@ back ends run (tests/unit/test_planner.py re-measures them on small models and a
             [s, s] terms, plus the softmax log-sum-exp)
 Notation: h hidden, f ffn, q = heads x head_dim, kv = kv_heads x head_dim, a heads, s sequence length,
 B bytes of the compute dtype. Tensor-parallel ranks keep 1/tp of the head / ffn terms; the hidden-size terms
-are replicated, or split along the sequence with Megatron's sequence parallelism.
+are replicated, or split along the sequence with Megatron's sequence parallelism. Context parallelism gives a
+rank 1/cp of each sequence's tokens (the per-token figures hold for them) plus the full-length K and V of the
+layer it runs (`gathered_kv_bytes`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ def layer_input_bytes_per_token(spec: ModelSpec, dtype_bytes: int, tp: int = 1,
                                 sequence_parallel: bool = False) -> float:
     """With full recomputation a layer keeps only its input hidden state: [s, h] per sequence."""
     return dtype_bytes * spec.hidden / (tp if sequence_parallel else 1)
+
+
+def gathered_kv_bytes(spec: ModelSpec, dtype_bytes: int, seq_len: int, tp: int = 1, rows: int = 1) -> float:
+    """Context parallelism's K/V exchange, one layer: the K and V of every token of `rows` rows of `seq_len`
+    all-gathered over the CP ranks, [seq_len, kv_heads / tp, head_dim] each in the compute dtype (Llama 3's
+    all-gather; each rank's queries cover only its own chunks)."""
+    return 2.0 * rows * seq_len * max(1, spec.kv_heads // tp) * spec.head_dim * dtype_bytes
 
 
 def logits_bytes_per_token(vocab_on_rank: int, dtype_bytes: int) -> float:

@@ -19,6 +19,11 @@ What each back end keeps, read off nemo_grpo/backends/:
              o/down: A / tp, B whole; per pipeline stage on Megatron) are kept as full-parameter training keeps
              parameters: masters, gradients, optimizer state and their division by dp as above. Activations are
              counted as without LoRA: the adapters' rank-r intermediates are negligible.
+  context    (context_parallel_size cp, both back ends) the cp ranks of a row act as data-parallel ranks for
+  parallel   the weights: parameters, masters, gradients and optimizer state shard over dp x cp wherever they
+             shard over dp; each rank keeps the activations, logits and packing mask of 1/cp of a row's tokens,
+             plus the full-length K and V its attention all-gathers: of every layer (kept for the backward), of
+             one layer with recomputation and in a forward.
   vLLM       gpu_memory_utilization of each device for its weights (bf16, / its tp) and KV cache. Colocated, the
              policy moves to host memory while vLLM generates and vLLM sleeps (level 1) while the policy trains:
              the two phases are checked apart.
@@ -137,85 +142,107 @@ class Workload:
     offload: bool = False  # moved to host memory while a colocated vLLM generates (CUDA)
     forward_seq_len: int = 0  # tokens of a forward row, if not seq_len (packing: logprob_mb_tokens)
     packed: bool = False  # rows carry a block-diagonal mask [t, t]
+    cp: int = 1  # context-parallel ranks sharing each row: a rank holds 1/cp of its tokens, all of its K/V
 
 
-def policy_workload(p, dp: int, reference: bool, offload: bool) -> Workload:
+def policy_workload(p, dp: int, reference: bool, offload: bool, cp: int = 1) -> Workload:
     """A policy's Workload: fixed micro-batches of sequences at policy.max_total_sequence_length; with sequence
     packing one packed row of train_mb_tokens (logprob_mb_tokens in the forward), as many per step as the
-    rank's sequences need at full length; with dynamic batching as many full-length rows as the budget holds."""
+    rank's sequences need at full length; with dynamic batching as many full-length rows as the budget holds.
+    The rows are a data-parallel rank's, shared by its cp context-parallel ranks."""
     s, rows_per_rank = p.max_total_sequence_length, max(1, p.train_global_batch_size // dp)
     if p.sequence_packing.enabled:
         sp = p.sequence_packing
         return Workload(seq_len=sp.train_mb_tokens, train_micro_batch=1, forward_batch=1,
                         micro_batches=-(-rows_per_rank * s // sp.train_mb_tokens), training=True,
-                        reference=reference, offload=offload, forward_seq_len=sp.logprob_mb_tokens, packed=True)
+                        reference=reference, offload=offload, forward_seq_len=sp.logprob_mb_tokens, packed=True,
+                        cp=cp)
     db = p.dynamic_batching
     train_rows = max(1, db.train_mb_tokens // s) if db.enabled else p.train_micro_batch_size
     forward_rows = max(1, db.logprob_mb_tokens // s) if db.enabled else p.logprob_batch_size
     return Workload(seq_len=s, train_micro_batch=train_rows, forward_batch=forward_rows,
                     micro_batches=max(1, rows_per_rank // train_rows), training=True, reference=reference,
-                    offload=offload)
+                    offload=offload, cp=cp)
 
 
-def _optimizer_row(p, n: int, shards: int) -> tuple[str, float]:
+def _shards(dp: int, cp: int) -> tuple[int, str]:
+    """The ranks weights and optimizer state shard over (data- and context-parallel alike), and their name."""
+    return dp * cp, f"dp {dp} x cp {cp}" if cp > 1 else f"dp {dp}"
+
+
+def _optimizer_row(p, n: int, shards: int, label: str = "") -> tuple[str, float]:
     k = OPTIMIZER_STATES[p.optimizer.name]
-    where = f" / dp {shards}" if shards > 1 else ""
+    where = f" / {label or f'dp {shards}'}" if shards > 1 else ""
     return f"optimizer state ({p.optimizer.name}: {k} x fp32{where})", n * 4.0 * k / shards
 
 
-def _gradient_row(p, n: int, dp: int) -> dict[str, float]:
+def _gradient_row(p, n: int, shards: int, label: str) -> dict[str, float]:
     """fp32 gradients of the main parameters; Megatron's DistributedOptimizer reducing in bf16
-    (grad_reduce_in_fp32 false) keeps DDP's bf16 buffer plus an fp32 copy of this DP rank's shard."""
+    (grad_reduce_in_fp32 false) keeps DDP's bf16 buffer plus an fp32 copy of this rank's shard."""
     m = p.megatron_cfg
     if p.precision == "bfloat16" and m.use_distributed_optimizer and \
             not m.distributed_data_parallel_config.grad_reduce_in_fp32:
-        return {f"gradients (bfloat16; fp32 shard / dp {dp})": n * 2.0 + n * 4.0 / dp}
+        return {f"gradients (bfloat16; fp32 shard / {label})": n * 2.0 + n * 4.0 / shards}
     return {"gradients (fp32)": n * 4.0}
 
 
-def _activation_row(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, layers: int, in_flight: int,
-                    recompute: bool) -> tuple[str, float]:
-    tokens = w.train_micro_batch * w.seq_len
+def _activation_rows(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, layers: int, in_flight: int,
+                     recompute: bool) -> dict[str, float]:
+    """What the backward keeps: the layers' activations of this rank's 1/cp of the micro-batches in flight
+    (with recomputation the layers' inputs and one layer's), their packing masks (its queries' rows); with
+    context parallelism the all-gathered K/V of every layer kept (of one with recomputation)."""
+    tokens = w.train_micro_batch * w.seq_len / w.cp
     one_layer = act.layer_bytes_per_token(spec, impl, b, w.seq_len, tp, sp, w.train_micro_batch) * tokens
     if recompute:
         kept = act.layer_input_bytes_per_token(spec, b, tp, sp) * tokens * layers * in_flight + one_layer
     else:
         kept = one_layer * layers * in_flight
     if w.packed:  # each micro-batch in flight keeps its block-diagonal mask (bool and additive bias)
-        kept += w.seq_len * w.seq_len * (1 + b) * in_flight
+        kept += w.seq_len * w.seq_len * (1 + b) * in_flight / w.cp
     what = "1 packed row of" if w.packed else f"{w.train_micro_batch} x"
-    return f"activations ({what} {w.seq_len} tok{', recompute' if recompute else ''})", kept
+    share = f" / cp {w.cp}" if w.cp > 1 else ""
+    rows = {f"activations ({what} {w.seq_len} tok{share}{', recompute' if recompute else ''})": kept}
+    if w.cp > 1:
+        kv = act.gathered_kv_bytes(spec, b, w.seq_len, tp, w.train_micro_batch)
+        rows[f"gathered K/V (cp {w.cp}, {'1 layer' if recompute else 'every layer'})"] = \
+            kv * (1 if recompute else layers * in_flight)
+    return rows
 
 
 def _forward_rows(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, vocab_on_rank: int) -> dict:
     """One forward without gradients: a layer's intermediates and the logits of a forward batch (a packed row:
     also its block-diagonal mask, bool and as an additive bias)."""
     s = w.forward_seq_len or w.seq_len
-    tokens = w.forward_batch * s
+    tokens = w.forward_batch * s / w.cp
     what = "1 packed row of" if w.packed else f"{w.forward_batch} x"
-    rows = {f"forward working set ({what} {s} tok)":
+    share = f" / cp {w.cp}" if w.cp > 1 else ""
+    rows = {f"forward working set ({what} {s} tok{share})":
             act.layer_bytes_per_token(spec, impl, b, s, tp, sp, w.forward_batch) * tokens}
+    if w.cp > 1:
+        rows[f"forward gathered K/V (cp {w.cp}, 1 layer)"] = act.gathered_kv_bytes(spec, b, s, tp, w.forward_batch)
     if vocab_on_rank:
         rows["forward logits"] = tokens * vocab_on_rank * (b + 4)
     if w.packed:
-        rows["packing mask"] = float(s * s * (1 + b))
+        rows["packing mask"] = float(s * s * (1 + b)) / w.cp
     return rows
 
 
-def _megatron_weights(p, spec, tp: int, pp: int, stage: int, dp: int) -> tuple[dict, dict, float]:
+def _megatron_weights(p, spec, tp: int, pp: int, stage: int, dp: int, cp: int) -> tuple[dict, dict, float]:
     """One rank of `stage`: the weights it keeps (parameters; in bf16 fp32 masters), the rows training adds
     (gradients, optimizer state) and the bytes of its parameters. LoRA: the frozen base in the precision alone,
     whole on every DP rank; the adapters (`LoRA ` rows) as full-parameter training keeps parameters."""
     b, n = DTYPE_BYTES[p.precision], megatron_stage_params(spec, tp, pp, stage)
-    shards = dp if p.megatron_cfg.use_distributed_optimizer else 1  # DistributedOptimizer: masters and state
+    grad_shards, label = _shards(dp, cp)
+    shards = grad_shards if p.megatron_cfg.use_distributed_optimizer else 1  # DistributedOptimizer: masters, state
     state, tag, weights = {}, "", n * b
     if p.lora.enabled:
         state[f"frozen base weights ({p.precision})"] = n * b
         n, tag = _lora_layer(p, spec, tp) * (spec.num_layers // pp), "LoRA "
     state[f"LoRA adapters ({p.precision})" if tag else f"parameters ({p.precision})"] = n * b
     if b == 2:
-        state[f"{tag}fp32 master weights" + (f" / dp {shards}" if shards > 1 else "")] = n * 4.0 / shards
-    train = {tag + k: v for k, v in [*_gradient_row(p, n, dp).items(), _optimizer_row(p, n, shards)]}
+        state[f"{tag}fp32 master weights" + (f" / {label}" if shards > 1 else "")] = n * 4.0 / shards
+    train = {tag + k: v for k, v in [*_gradient_row(p, n, grad_shards, label).items(),
+                                     _optimizer_row(p, n, shards, label)]}
     return state, train, weights
 
 
@@ -227,23 +254,23 @@ def _lora_layer(p, spec, tp: int) -> int:
 def megatron_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], dict[str, float]]:
     """A Device per pipeline stage, and the host memory of one rank (of the stage with the most parameters)."""
     m = p.megatron_cfg
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    dp, b = world // (tp * pp), DTYPE_BYTES[p.precision]
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, w.cp
+    dp, b = world // (tp * pp * cp), DTYPE_BYTES[p.precision]
     impl = "megatron_te" if m.layer_spec == "transformer_engine" else \
         "megatron_sdpa" if m.attention_backend == "sdpa" else "megatron"
     sp = bool(m.sequence_parallel and tp > 1)
     devices, host = [], {}
     for stage in range(pp):
-        state, trained, weights = _megatron_weights(p, spec, tp, pp, stage, dp)
+        state, trained, weights = _megatron_weights(p, spec, tp, pp, stage, dp, cp)
         last = stage == pp - 1
         vocab = spec.padded_vocab // tp if last and not spec.scalar_head else 0
         phases = {}
         if w.training:
             train = dict(state, **trained)
-            train.update([_activation_row(spec, impl, b, w, tp, sp, spec.num_layers // pp,
-                                          min(pp - stage, w.micro_batches), m.activation_checkpointing)])
+            train.update(_activation_rows(spec, impl, b, w, tp, sp, spec.num_layers // pp,
+                                          min(pp - stage, w.micro_batches), m.activation_checkpointing))
             if vocab:
-                train["logits"] = w.train_micro_batch * w.seq_len * act.logits_bytes_per_token(vocab, b)
+                train["logits"] = w.train_micro_batch * w.seq_len / cp * act.logits_bytes_per_token(vocab, b)
             phases["training"] = train
         phases["log-prob forward" if w.training else "scoring"] = dict(
             state, **_forward_rows(spec, impl, b, w, tp, sp, vocab))
@@ -268,7 +295,8 @@ def _dtensor_weights(p, spec, tp: int, dp: int) -> tuple[dict, dict, float]:
 
 
 def dtensor_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], dict[str, float]]:
-    """One Device (every rank holds the same share), and the host memory of one rank."""
+    """One Device (every rank holds the same share), and the host memory of one rank. FSDP2 shards over the
+    dp x cp ranks."""
     tp = p.dtensor_cfg.tensor_parallel_size
     dp, b = world // tp, DTYPE_BYTES[p.precision]
     vocab = 0 if spec.scalar_head else spec.vocab  # full-vocabulary logits on every rank
@@ -278,10 +306,10 @@ def dtensor_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], dic
     phases = {"loading (full fp32 model)": {"full fp32 model before sharding": total_params(spec) * 4.0}}
     if w.training:
         train = dict(state, **trained)
-        train.update([_activation_row(spec, "hf", b, w, tp, False, spec.num_layers, 1,
-                                      p.dtensor_cfg.activation_checkpointing)])
+        train.update(_activation_rows(spec, "hf", b, w, tp, False, spec.num_layers, 1,
+                                      p.dtensor_cfg.activation_checkpointing))
         if vocab:
-            train["logits"] = w.train_micro_batch * w.seq_len * act.logits_bytes_per_token(vocab, b)
+            train["logits"] = w.train_micro_batch * w.seq_len / w.cp * act.logits_bytes_per_token(vocab, b)
         phases["training"] = train
     phases["log-prob forward" if w.training else "scoring"] = dict(
         state, **_forward_rows(spec, "hf", b, w, tp, False, vocab))
@@ -353,12 +381,14 @@ def _layout(p, world: int, nodes: tuple, key: str) -> str:
     layout = policy_layout(p, world, prefix=key)
     if p.backend == "megatron":
         m = p.megatron_cfg
-        shape = f"megatron TP {layout.tp} x PP {layout.pp} x DP {layout.dp}"
+        cp = f" x CP {layout.cp}" if layout.cp > 1 else ""
+        shape = f"megatron TP {layout.tp} x PP {layout.pp}{cp} x DP {layout.dp}"
         extras = [n for n, on in (("sequence parallel", m.sequence_parallel and layout.tp > 1),
                                   ("distributed optimizer", m.use_distributed_optimizer),
                                   ("recompute", m.activation_checkpointing)) if on]
     else:
-        shape = f"dtensor FSDP {layout.dp} x TP {layout.tp}"
+        cp = f" (DP {layout.dp} x CP {layout.cp})" if layout.cp > 1 else ""
+        shape = f"dtensor FSDP {layout.dp * layout.cp}{cp} x TP {layout.tp}"
         extras = ["recompute"] if p.dtensor_cfg.activation_checkpointing else []
     if p.lora.enabled:
         extras.append(f"LoRA rank {p.lora.rank}")
@@ -367,10 +397,10 @@ def _layout(p, world: int, nodes: tuple, key: str) -> str:
 
 def _policy_role(cfg, plan, spec, gpu: float) -> RolePlan:
     p, place = cfg.policy, plan.placements["policy"]
-    dp = policy_layout(p, place.world_size).dp
+    layout = policy_layout(p, place.world_size)
     vllm_colocated = p.generation.backend == "vllm" and p.generation.colocated.enabled
     kl = cfg.loss_fn.reference_policy_kl_penalty > 0
-    w = policy_workload(p, dp, reference=kl and not p.lora.enabled, offload=vllm_colocated)
+    w = policy_workload(p, layout.dp, reference=kl and not p.lora.enabled, offload=vllm_colocated, cp=layout.cp)
     devices, host = DEVICE_PLANNERS[p.backend](p, spec, w, place.world_size)
     role = RolePlan("policy", _layout(p, place.world_size, place.nodes, "policy"), _with_reserve(devices),
                     place.gpus_per_node, host_per_gpu=host)
@@ -421,7 +451,7 @@ def _reward_model_role(r, plan) -> RolePlan:
     p, place = r.policy_config(), plan.placements["reward_model"]
     spec = _spec(p, "env.reward_model", True)
     w = Workload(seq_len=r.max_model_len, train_micro_batch=0, micro_batches=0, forward_batch=r.batch_size,
-                 training=False, reference=False)
+                 training=False, reference=False, cp=policy_layout(p, place.world_size, "env.reward_model").cp)
     devices, _ = DEVICE_PLANNERS[p.backend](p, spec, w, place.world_size)
     return RolePlan("reward model", _layout(p, place.world_size, place.nodes, "env.reward_model"), _with_reserve(devices),
                     place.gpus_per_node)

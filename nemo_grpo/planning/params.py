@@ -28,6 +28,12 @@ _LLAMA3_8B = dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden
 _LLAMA3_70B = dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
 _QWEN = dict(vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
 # Qwen3's MoE models: 128 experts, 8 per token, the top-8 weights renormalised, every layer sparse
+_QWEN3_32B = dict(_QWEN, model_type="qwen3", tie_word_embeddings=False, hidden_size=5120, intermediate_size=25600,
+                  num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                  attention_bias=False, max_position_embeddings=40960)
+# Qwen3's long context (its model card): YaRN factor 4 over the 32,768 positions it was trained at
+_QWEN3_YARN = dict(max_position_embeddings=131072, rope_scaling=dict(
+    rope_type="yarn", factor=4.0, original_max_position_embeddings=32768, rope_theta=1000000.0))
 _QWEN_MOE = dict(_QWEN, model_type="qwen3_moe", tie_word_embeddings=False, num_key_value_heads=4, head_dim=128,
                  num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
                  mlp_only_layers=[], max_position_embeddings=40960)
@@ -42,6 +48,9 @@ KNOWN_MODELS = {
     "qwen2.5-1.5b": dict(_QWEN, model_type="qwen2", hidden_size=1536, intermediate_size=8960,
                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                          max_position_embeddings=32768),
+    # a directory holding Qwen3-32B with the model card's rope_scaling added to its config.json
+    "qwen3-32b-yarn": dict(_QWEN3_32B, **_QWEN3_YARN),
+    "qwen3-32b": _QWEN3_32B,
     "qwen3-30b-a3b": dict(_QWEN_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                           num_hidden_layers=48, num_attention_heads=32),
     "qwen3-235b-a22b": dict(_QWEN_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,

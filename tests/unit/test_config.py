@@ -63,8 +63,6 @@ BAD = [
     (["grpo.max_num_steps"], "grpo.max_num_steps"),  # no '=': not an override
     (["policy.backend=megatron", "policy.megatron_cfg.tensor_model_parallel_size=2",
       "policy.megatron_cfg.pipeline_model_parallel_size=2"], "policy.megatron_cfg.tensor_model_parallel_size"),
-    (["policy.backend=megatron", "policy.megatron_cfg.context_parallel_size=2"],
-     "policy.megatron_cfg.context_parallel_size"),
     (["policy.backend=megatron", "policy.megatron_cfg.layer_spec=fast"], "policy.megatron_cfg.layer_spec"),
     (["policy.backend=megatron", "policy.megatron_cfg.layer_spec=transformer_engine"],
      "policy.megatron_cfg.layer_spec"),  # Transformer Engine is not installed on the CPU stack
@@ -161,7 +159,7 @@ def test_megatron_layout_error_shows_the_arithmetic():
 def test_layout_error_shows_the_arithmetic():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["policy.dtensor_cfg.data_parallel_size=2", "policy.dtensor_cfg.tensor_parallel_size=2"])
-    assert "2 x tensor_parallel_size 2 = 4 != world size 2" in str(e.value)
+    assert "2 x tensor_parallel_size 2 x context_parallel_size 1 = 4 != world size 2" in str(e.value)
 
 
 def test_missing_or_bad_yaml_file(tmp_path):
@@ -230,3 +228,99 @@ def test_overlapped_reduction_of_a_tied_embedding_over_stages_is_rejected(tiny_m
         validate_model_layout(p, path)
     p.megatron_cfg.distributed_data_parallel_config.overlap_grad_reduce = False
     validate_model_layout(p, path)
+
+
+# ---------------------------------------------------------------------------------------------- context parallelism
+MCP = ["policy.backend=megatron", "policy.megatron_cfg.context_parallel_size=2"]
+DCP = ["policy.dtensor_cfg.context_parallel_size=2"]
+CHUNKS = "context parallelism cuts every row into 2 x context_parallel_size equal chunks"
+CP_BAD = [
+    (MCP + ["policy.max_total_sequence_length=18", "data.max_input_seq_length=8"],
+     "config key 'policy.max_total_sequence_length': 18 is not a multiple of 2 x "
+     f"policy.megatron_cfg.context_parallel_size 2 = 4: {CHUNKS}"),
+    (DCP + ["policy.max_total_sequence_length=18", "data.max_input_seq_length=8"],
+     "config key 'policy.max_total_sequence_length': 18 is not a multiple of 2 x "
+     f"policy.dtensor_cfg.context_parallel_size 2 = 4: {CHUNKS}"),
+    (MCP + ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true",
+            "policy.max_total_sequence_length=20", "cluster.gpus_per_node=4"],
+     "config key 'policy.max_total_sequence_length': 20 is not a multiple of 2 x "
+     "policy.megatron_cfg.context_parallel_size 2 x tensor_model_parallel_size 2 (sequence_parallel) = 8: "
+     f"{CHUNKS}, each split over the tensor-parallel ranks by sequence parallelism"),
+    (MCP + ["policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=66"],
+     "config key 'policy.sequence_packing.train_mb_tokens': 66 is not a multiple of 2 x "
+     f"policy.megatron_cfg.context_parallel_size 2 = 4: {CHUNKS}"),
+    (MCP + ["policy.sequence_packing.enabled=true", "policy.sequence_packing.logprob_mb_tokens=66"],
+     "config key 'policy.sequence_packing.logprob_mb_tokens': 66 is not a multiple of 2 x "
+     f"policy.megatron_cfg.context_parallel_size 2 = 4: {CHUNKS}"),
+    (DCP + ["policy.sequence_packing.enabled=true", "policy.sequence_packing.sequence_length_round=6"],
+     "config key 'policy.sequence_packing.sequence_length_round': 6 is not a multiple of 2 x "
+     f"policy.dtensor_cfg.context_parallel_size 2 = 4: {CHUNKS}"),
+    (DCP + ["policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=66"],
+     "config key 'policy.dynamic_batching.train_mb_tokens': 66 is not a multiple of 2 x "
+     f"policy.dtensor_cfg.context_parallel_size 2 = 4: {CHUNKS}"),
+    (DCP + ["policy.dynamic_batching.enabled=true", "policy.dynamic_batching.logprob_mb_tokens=66"],
+     "config key 'policy.dynamic_batching.logprob_mb_tokens': 66 is not a multiple of 2 x "
+     f"policy.dtensor_cfg.context_parallel_size 2 = 4: {CHUNKS}"),
+    (MCP + ["policy.dynamic_batching.enabled=true", "policy.dynamic_batching.sequence_length_round=2"],
+     "config key 'policy.dynamic_batching.sequence_length_round': 2 is not a multiple of 2 x "
+     f"policy.megatron_cfg.context_parallel_size 2 = 4: {CHUNKS}"),
+    (MCP + ["policy.megatron_cfg.attention_backend=unfused"],
+     "config key 'policy.megatron_cfg.attention_backend': 'unfused' with policy.megatron_cfg.context_parallel_size "
+     "2: context parallelism is built in the SDPA core attention only; use sdpa"),
+    (MCP + ["policy.megatron_cfg.layer_spec=transformer_engine"],
+     "config key 'policy.megatron_cfg.layer_spec': 'transformer_engine' with "
+     "policy.megatron_cfg.context_parallel_size 2: Transformer Engine's own context parallelism is not wired; "
+     "use local"),
+    (["policy.backend=megatron", "policy.megatron_cfg.context_parallel_size=4"],  # 4 ranks do not fit in 2
+     "config key 'policy.megatron_cfg.context_parallel_size': tensor_model_parallel_size 1 x "
+     "pipeline_model_parallel_size 1 x context_parallel_size 4 = 4 does not divide world size 2"),
+    (["policy.dtensor_cfg.context_parallel_size=4"],
+     "config key 'policy.dtensor_cfg.context_parallel_size': tensor_parallel_size 1 x context_parallel_size 4 = "
+     "4 does not divide world size 2"),
+    (DCP + ["policy.dtensor_cfg.data_parallel_size=2"],
+     "config key 'policy.dtensor_cfg.data_parallel_size': data_parallel_size 2 x tensor_parallel_size 1 x "
+     "context_parallel_size 2 = 4 != world size 2"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", CP_BAD, ids=[m.split("'")[1] + "-" + o[-1] for o, m in CP_BAD])
+def test_context_parallel_rules_name_the_keys_and_numbers(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("cp", [MCP, DCP], ids=["megatron", "dtensor"])
+def test_context_parallel_of_2_fits_the_tiny_recipe_with_derived_budgets(cp):
+    """CP 2 on the tiny recipe's 2 ranks: max_total_sequence_length 16 = 4 chunks of 4; packing's unset budgets
+    are derived (rows x 16) before they are checked, and sequence_length_round is set to a multiple of 4."""
+    cfg = load_config(None, cp + ["policy.sequence_packing.enabled=true",
+                                  "policy.sequence_packing.sequence_length_round=8"])
+    sp = cfg.policy.sequence_packing
+    assert (sp.train_mb_tokens, sp.logprob_mb_tokens) == (cfg.policy.train_micro_batch_size * 16,
+                                                          cfg.policy.logprob_batch_size * 16)
+    from nemo_grpo.validation import layout_of
+
+    assert (layout_of(cfg).cp, layout_of(cfg).dp) == (2, 1)
+
+
+def test_context_parallel_of_an_inactive_back_end_is_not_checked_against_the_rows():
+    """The DTensor back end's CP rules are not applied to a Megatron run (and the other way round)."""
+    load_config(None, ["policy.backend=megatron", "policy.dtensor_cfg.context_parallel_size=2",
+                       "policy.max_total_sequence_length=18", "data.max_input_seq_length=8"])
+    with pytest.raises(ConfigError, match="'policy.dtensor_cfg.context_parallel_size': the context parallel size "
+                                          "must be >= 1, got 0"):
+        load_config(None, ["policy.backend=megatron", "policy.dtensor_cfg.context_parallel_size=0"])
+
+
+def test_reward_model_context_parallel_checks_its_max_model_len():
+    recipe = os.path.join(ROOT, "configs", "grpo_rm_tiny_cpu.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe, ["env.reward_model.dtensor_cfg.context_parallel_size=2",
+                             "env.reward_model.max_model_len=18"], files=False)
+    assert str(e.value) == ("config key 'env.reward_model.max_model_len': 18 is not a multiple of 2 x "
+                            f"env.reward_model.dtensor_cfg.context_parallel_size 2 = 4: {CHUNKS}")
+    with pytest.raises(ConfigError, match="'env.reward_model.dtensor_cfg.context_parallel_size': tensor_parallel_size "
+                                          "1 x context_parallel_size 2 = 2 does not divide the reward model's 1 "
+                                          "devices"):
+        load_config(recipe, ["env.reward_model.dtensor_cfg.context_parallel_size=2"], files=False)

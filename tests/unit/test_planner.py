@@ -265,6 +265,7 @@ def test_known_models_are_sized_like_their_published_configs():
     sizes = {name: total_params(decoder_spec(hf_config(f"/x/{name}", "k"), False, megatron=False))
              for name in KNOWN_MODELS}
     assert sizes["qwen2.5-1.5b"] == 1_543_714_304 and sizes["llama-3.3-70b"] == 70_553_706_496
+    assert sizes["qwen3-32b"] == sizes["qwen3-32b-yarn"] == 32_762_123_264  # Qwen3-32B's model card: 32.8B
 
 
 # ---------------------------------------------------------------------------------------------- LoRA
@@ -375,3 +376,92 @@ def test_70B_lora_recipe_fits_one_node_where_full_training_does_not(capsys):
     assert "does not fit: policy (megatron TP 8 x PP 1 x DP 1 = 8 GPUs on nodes 0" in err
     assert "training needs 152.4 GiB per GPU > cluster.gpu_memory_gib 79.6" in err
     assert "fp32 master weights 32.9, gradients (fp32) 32.9, optimizer state (adamw: 2 x fp32) 65.7" in err
+
+
+# ---------------------------------------------------------------------------------------------- context parallelism
+KV_LAYER = 2 * 2 * 64 * (2 // 2) * 64 * 2  # K and V of 2 rows x 64 tokens, 2 KV heads / TP 2, head_dim 64, bf16
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_megatron_context_parallel_figures_by_hand(small_model_dir, recompute):
+    """MEGATRON_BY_HAND with CP 2 in place of DP 2 (TP 2 x PP 2 x CP 2 x DP 1 on 8 GPUs): the same rows per
+    micro-batch, each rank holding 32 of a row's 64 tokens. Weights: masters and Adam / (dp 1 x cp 2), the numbers
+    of DP 2; activations and logits halved; the all-gathered K/V of every layer of the stage per micro-batch in
+    flight added (of one layer with recomputation), and one layer's in a forward."""
+    flags = [f"policy.megatron_cfg.activation_checkpointing={str(recompute).lower()}"]
+    _, _, base = plan_recipe(None, [f"policy.model_name={small_model_dir}", *MEGATRON_BY_HAND, *flags])
+    _, _, memory = plan_recipe(None, [f"policy.model_name={small_model_dir}", *MEGATRON_BY_HAND, *flags,
+                                      "policy.megatron_cfg.context_parallel_size=2"])
+    assert memory.roles[0].layout.startswith("megatron TP 2 x PP 2 x CP 2 x DP 1 = 8 GPUs")
+    tag = ", recompute" if recompute else ""
+    act_cp1, act_cp2 = f"activations (2 x 64 tok{tag})", f"activations (2 x 64 tok / cp 2{tag})"
+    kv = f"gathered K/V (cp 2, {'1 layer' if recompute else 'every layer'})"
+    for stage, in_flight in ((0, 2), (1, 1)):  # 1F1B: 2 micro-batches in flight on stage 0, 1 on the last
+        train, before = _rows(memory, 0, stage, "training"), _rows(base, 0, stage, "training")
+        assert train[act_cp2] == before[act_cp1] / 2
+        if not recompute:  # 1 layer x the micro-batches in flight x 2 x 64 / 2 tokens
+            assert train[act_cp2] == in_flight * 64 * act.layer_bytes_per_token(
+                decoder_spec(_llama(), False, 2, 2), "megatron_sdpa", 2, 64, tp=2, sequence_parallel=True,
+                seqs_per_micro_batch=2)
+        assert train[kv] == KV_LAYER * (1 if recompute else 1 * in_flight)  # 1 layer per stage
+        assert train["fp32 master weights / dp 1 x cp 2"] == before["fp32 master weights / dp 2"]
+        assert train["optimizer state (adamw: 2 x fp32 / dp 1 x cp 2)"] == \
+            before["optimizer state (adamw: 2 x fp32 / dp 2)"]
+        assert train["gradients (fp32)"] == before["gradients (fp32)"]
+    assert _rows(memory, 0, 1, "training")["logits"] == 128 * 500 * (2 + 4 + 4) / 2
+    forward, before = _rows(memory, 0, 1, "log-prob forward"), _rows(base, 0, 1, "log-prob forward")
+    assert forward["forward working set (64 x 64 tok / cp 2)"] == before["forward working set (64 x 64 tok)"] / 2
+    assert forward["forward logits"] == before["forward logits"] / 2
+    assert forward["forward gathered K/V (cp 2, 1 layer)"] == 2 * 64 * 64 * 1 * 64 * 2  # logprob_batch_size 64
+    assert memory.problems() == []
+
+
+def test_megatron_context_parallel_halves_a_packed_row_and_its_mask(small_model_dir):
+    """Packed rows of 160 tokens (test_packing_counts_a_micro_batch_by_its_token_budget) over CP 2: a rank keeps
+    80 tokens' activations and its 80 query rows of the 160 x 160 mask."""
+    packing = ["policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=160",
+               "policy.sequence_packing.logprob_mb_tokens=256", "policy.sequence_packing.sequence_length_round=8"]
+    _, _, memory = plan_recipe(None, [f"policy.model_name={small_model_dir}", *MEGATRON_BY_HAND, *packing,
+                                      "policy.megatron_cfg.context_parallel_size=2"])
+    spec = decoder_spec(_llama(), False, 2, 2)
+    per_token = act.layer_bytes_per_token(spec, "megatron_sdpa", 2, 160, tp=2, sequence_parallel=True)
+    stage1 = _rows(memory, 0, 1, "training")
+    assert stage1["activations (1 packed row of 160 tok / cp 2)"] == 80 * per_token + 160 * 160 * 3 / 2
+    assert stage1["gathered K/V (cp 2, every layer)"] == 2 * 160 * 1 * 64 * 2
+    assert _rows(memory, 0, 1, "log-prob forward")["packing mask"] == 256 * 256 * 3 / 2
+
+
+def test_dtensor_context_parallel_figures_by_hand(small_model_dir):
+    """FSDP over DP 2 x CP 2 x TP 2, fp32 (test_dtensor_figures_by_hand with CP 2 in place of half of FSDP 4): the
+    same FSDP shards (over the 4 dp x cp ranks); activations and logits halved; K/V of both layers added."""
+    common = [f"policy.model_name={small_model_dir}", "cluster.gpus_per_node=8", "policy.generation.backend=torch",
+              "policy.dtensor_cfg.tensor_parallel_size=2"]
+    _, _, base = plan_recipe(None, common)
+    _, _, memory = plan_recipe(None, common + ["policy.dtensor_cfg.context_parallel_size=2"])
+    assert memory.roles[0].layout.startswith("dtensor FSDP 4 (DP 2 x CP 2) x TP 2 = 8 GPUs")
+    train, before = _rows(memory, 0, 0, "training"), _rows(base, 0, 0, "training")
+    for key in ("parameters (fp32, FSDP shards)", "gradients (fp32, FSDP shards)", "optimizer state (adamw: 2 x fp32)",
+                "gathered units (float32, x2)"):
+        assert train[key] == before[key]
+    assert train["activations (32 x 16 tok / cp 2)"] == before["activations (32 x 16 tok)"] / 2
+    assert train["logits"] == before["logits"] / 2 == 32 * 16 / 2 * 1000 * (4 + 4 + 4)  # the full vocabulary
+    assert train["gathered K/V (cp 2, every layer)"] == 2 * 32 * 16 * 1 * 64 * 4 * 2  # 32 rows x 16 tok, fp32, 2 layers
+
+
+def test_long_context_recipes_need_their_context_parallelism():
+    """Qwen3-32B at 131,072 tokens on 8 x 8 GPUs fits with TP 8 x CP 8 and recomputation, with neither CP (a rank
+    would run whole rows) nor recomputation; Llama-3.3-70B at 32k: CP 2 x DP 2 in place of the 4k recipe's DP 4."""
+    recipe = os.path.join(ROOT, "configs", "grpo_math_qwen3_32b_128k_megatron.yaml")
+    cfg, _, memory = plan_recipe(recipe, [])
+    spec = decoder_spec(hf_config(cfg.policy.model_name, "k"), False, 8, 1)
+    assert (spec.rope_scaling.kind, spec.rope_scaling.factor, spec.rope_scaling.original_max_positions) == \
+        ("yarn", 4.0, 32768)
+    assert memory.roles[0].layout.startswith("megatron TP 8 x PP 1 x CP 8 x DP 1 = 64 GPUs")
+    train = _rows(memory, 0, 0, "training")
+    assert train["gathered K/V (cp 8, 1 layer)"] == 2 * 131072 * (8 // 8) * 128 * 2  # 64 MiB
+    assert memory.problems() == []
+    for off in ("context_parallel_size=1", "activation_checkpointing=false"):
+        assert plan_recipe(recipe, [f"policy.megatron_cfg.{off}"])[2].problems() != []
+    _, _, memory = plan_recipe(os.path.join(ROOT, "configs", "grpo_math_70B_32k_megatron.yaml"), [])
+    assert memory.roles[0].layout.startswith("megatron TP 8 x PP 2 x CP 2 x DP 2 = 64 GPUs")
+    assert memory.problems() == []

@@ -137,17 +137,18 @@ def test_aggregate_sums_over_dp_and_averages_steps():
 def test_bad_layout_fails_before_anything_starts():
     cfg = PolicyConfig()
     cfg.dtensor_cfg.tensor_parallel_size = 3
-    with pytest.raises(ConfigError, match="'policy.dtensor_cfg.tensor_parallel_size': tensor_parallel_size 3 = 3 "
-                                          "does not divide world size 2"):
+    with pytest.raises(ConfigError, match="'policy.dtensor_cfg.tensor_parallel_size': tensor_parallel_size 3 x "
+                                          "context_parallel_size 1 = 3 does not divide world size 2"):
         Policy(cfg, ClusterConfig(gpus_per_node=2), "/nonexistent")
     cfg.dtensor_cfg.tensor_parallel_size, cfg.dtensor_cfg.data_parallel_size = 1, 4
     with pytest.raises(ConfigError, match="'policy.dtensor_cfg.data_parallel_size': data_parallel_size 4 x "
-                                          "tensor_parallel_size 1 = 4 != world size 2"):
+                                          "tensor_parallel_size 1 x context_parallel_size 1 = 4 != world size 2"):
         policy_layout(cfg, 2)
 
 
 def test_parallel_layout_names_each_degree():
-    with pytest.raises(ConfigError, match="'policy.megatron_cfg.tensor_model_parallel_size': "
+    # the key named: the first degree that alone does not divide the world (pp 3 here), else tp's
+    with pytest.raises(ConfigError, match="'policy.megatron_cfg.pipeline_model_parallel_size': "
                                           "tensor_model_parallel_size 2 x pipeline_model_parallel_size 3 x "
                                           "context_parallel_size 1 = 6 does not divide world size 4"):
         policy_layout(PolicyConfig(backend="megatron", megatron_cfg=dict_cfg(2, 3)), 4)
@@ -158,9 +159,18 @@ def test_parallel_layout_names_each_degree():
     assert [layout.rank_coords(r) for r in (0, 1, 2, 5)] == [
         {"tp": 0, "cp": 0, "dp": 0, "pp": 0}, {"tp": 1, "cp": 0, "dp": 0, "pp": 0},
         {"tp": 0, "cp": 0, "dp": 1, "pp": 0}, {"tp": 1, "cp": 0, "dp": 0, "pp": 1}]
+    layout = ParallelLayout.build(16, tp=2, cp=2, pp=2)  # tp fastest, then cp, then dp, then pp
+    assert layout.dp == 2
+    assert [layout.rank_coords(r) for r in (1, 2, 5, 9)] == [
+        {"tp": 1, "cp": 0, "dp": 0, "pp": 0}, {"tp": 0, "cp": 1, "dp": 0, "pp": 0},
+        {"tp": 1, "cp": 0, "dp": 1, "pp": 0}, {"tp": 1, "cp": 0, "dp": 0, "pp": 1}]
+    with pytest.raises(ConfigError, match="'policy.megatron_cfg.context_parallel_size': tensor_model_parallel_size 2 "
+                                          "x pipeline_model_parallel_size 1 x context_parallel_size 3 = 6 does not "
+                                          "divide world size 8"):
+        policy_layout(PolicyConfig(backend="megatron", megatron_cfg=dict_cfg(2, 1, cp=3)), 8)
 
 
-def dict_cfg(tp: int, pp: int):
+def dict_cfg(tp: int, pp: int, cp: int = 1):
     from nemo_grpo.config import MegatronConfig
 
-    return MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    return MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp)
