@@ -141,7 +141,8 @@ class Workload:
     reference: bool  # a host copy of the initial weights
     offload: bool = False  # moved to host memory while a colocated vLLM generates (CUDA)
     forward_seq_len: int = 0  # tokens of a forward row, if not seq_len (packing: logprob_mb_tokens)
-    packed: bool = False  # rows carry a block-diagonal mask [t, t]
+    packed: bool = False  # one packed row of a token budget per micro-batch
+    dense_mask: bool = False  # the packed row carries a block-diagonal mask [t, t] (else attention per segment)
     cp: int = 1  # context-parallel ranks sharing each row: a rank holds 1/cp of its tokens, all of its K/V
 
 
@@ -149,20 +150,26 @@ def policy_workload(p, dp: int, reference: bool, offload: bool, cp: int = 1) -> 
     """A policy's Workload: fixed micro-batches of sequences at policy.max_total_sequence_length; with sequence
     packing one packed row of train_mb_tokens (logprob_mb_tokens in the forward), as many per step as the
     rank's sequences need at full length; with dynamic batching as many full-length rows as the budget holds.
-    The rows are a data-parallel rank's, shared by its cp context-parallel ranks."""
+    The rows are a data-parallel rank's, shared by its cp context-parallel ranks. A packed row's dense
+    block-diagonal mask exists with policy.sequence_packing.attention=mask or Megatron's unfused attention,
+    never under context parallelism (its attention masks each query chunk itself)."""
     s, rows_per_rank = p.max_total_sequence_length, max(1, p.train_global_batch_size // dp)
     if p.sequence_packing.enabled:
         sp = p.sequence_packing
         return Workload(seq_len=sp.train_mb_tokens, train_micro_batch=1, forward_batch=1,
                         micro_batches=-(-rows_per_rank * s // sp.train_mb_tokens), training=True,
                         reference=reference, offload=offload, forward_seq_len=sp.logprob_mb_tokens, packed=True,
-                        cp=cp)
+                        dense_mask=cp == 1 and (sp.attention == "mask" or _unfused_megatron(p)), cp=cp)
     db = p.dynamic_batching
     train_rows = max(1, db.train_mb_tokens // s) if db.enabled else p.train_micro_batch_size
     forward_rows = max(1, db.logprob_mb_tokens // s) if db.enabled else p.logprob_batch_size
     return Workload(seq_len=s, train_micro_batch=train_rows, forward_batch=forward_rows,
                     micro_batches=max(1, rows_per_rank // train_rows), training=True, reference=reference,
                     offload=offload, cp=cp)
+
+
+def _unfused_megatron(p) -> bool:
+    return p.backend == "megatron" and p.megatron_cfg.attention_backend == "unfused"
 
 
 def _shards(dp: int, cp: int) -> tuple[int, str]:
@@ -189,7 +196,7 @@ def _gradient_row(p, n: int, shards: int, label: str) -> dict[str, float]:
 def _activation_rows(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, layers: int, in_flight: int,
                      recompute: bool) -> dict[str, float]:
     """What the backward keeps: the layers' activations of this rank's 1/cp of the micro-batches in flight
-    (with recomputation the layers' inputs and one layer's), their packing masks (its queries' rows); with
+    (with recomputation the layers' inputs and one layer's), their dense packing masks; with
     context parallelism the all-gathered K/V of every layer kept (of one with recomputation)."""
     tokens = w.train_micro_batch * w.seq_len / w.cp
     one_layer = act.layer_bytes_per_token(spec, impl, b, w.seq_len, tp, sp, w.train_micro_batch) * tokens
@@ -197,8 +204,8 @@ def _activation_rows(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, la
         kept = act.layer_input_bytes_per_token(spec, b, tp, sp) * tokens * layers * in_flight + one_layer
     else:
         kept = one_layer * layers * in_flight
-    if w.packed:  # each micro-batch in flight keeps its block-diagonal mask (bool and additive bias)
-        kept += w.seq_len * w.seq_len * (1 + b) * in_flight / w.cp
+    if w.dense_mask:  # each micro-batch in flight keeps its block-diagonal mask (bool and additive bias)
+        kept += w.seq_len * w.seq_len * (1 + b) * in_flight
     what = "1 packed row of" if w.packed else f"{w.train_micro_batch} x"
     share = f" / cp {w.cp}" if w.cp > 1 else ""
     rows = {f"activations ({what} {w.seq_len} tok{share}{', recompute' if recompute else ''})": kept}
@@ -211,7 +218,7 @@ def _activation_rows(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, la
 
 def _forward_rows(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, vocab_on_rank: int) -> dict:
     """One forward without gradients: a layer's intermediates and the logits of a forward batch (a packed row:
-    also its block-diagonal mask, bool and as an additive bias)."""
+    also its dense block-diagonal mask, bool and as an additive bias, if it has one)."""
     s = w.forward_seq_len or w.seq_len
     tokens = w.forward_batch * s / w.cp
     what = "1 packed row of" if w.packed else f"{w.forward_batch} x"
@@ -222,8 +229,8 @@ def _forward_rows(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, vocab
         rows[f"forward gathered K/V (cp {w.cp}, 1 layer)"] = act.gathered_kv_bytes(spec, b, s, tp, w.forward_batch)
     if vocab_on_rank:
         rows["forward logits"] = tokens * vocab_on_rank * (b + 4)
-    if w.packed:
-        rows["packing mask"] = float(s * s * (1 + b)) / w.cp
+    if w.dense_mask:
+        rows["packing mask"] = float(s * s * (1 + b))
     return rows
 
 
