@@ -9,9 +9,15 @@ row's [r, t] before any loss, so the loss code never sees CP.
 Attention exchange: K and V are all-gathered over the group (Llama 3's choice, not a ring of point-to-point
 sends): one collective per layer, the same code for GQA, packed rows and any layout, and on this CPU stack (gloo)
 a ring would serialize 2·(cp-1) sends per layer where one all-gather overlaps them. Each local chunk then
-attends to the keys up to its own end: causally, and within its segment in a packed row. The cost is the full
+attends to the keys up to its own end, causally (within each sequence of a packed row: one SDPA call per piece of
+the chunk in one sequence), through a bottom-right-aligned causal mask that is a strided view of one line, so no
+[chunk, keys] mask is ever made (a dense one cost more memory at 16k tokens than CP saved). The cost is the full
 row's K and V on every rank for one layer at a time (kept for backward), [t, kv_heads, head_dim] each; queries,
 MLP activations and logits cover t / cp positions.
+
+Not torch's `context_parallel` (torch.distributed.tensor.experimental) for the DTensor back end: it swaps in ring
+attention for the CUDA SDPA kernels only (flash, efficient, cuDNN), so on a CPU its ranks would silently attend
+within their own chunks, and it takes no mask, so no packed rows. One implementation serves both back ends.
 
 Weights: CP ranks hold the same weights, like data-parallel ranks; each computes the gradient of its own
 positions' share, so gradients are summed over dp x cp (both back ends fold cp into their data-parallel
@@ -109,28 +115,47 @@ class ContextShard:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                dropout: float = 0.0) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole row. q [b, heads, 2c, d], k and v
-        [b, groups, 2c, d] (heads a multiple of groups) -> [b, heads, 2c, d]."""
+        [b, groups, 2c, d] (heads a multiple of groups) -> [b, heads, 2c, d]. One SDPA call per piece of a
+        local chunk within one sequence: its queries over that sequence's keys up to the piece's end."""
         CALLS["attend"] += 1
         CALLS["chunks " + ",".join(str(a // self.chunk) for a, _ in self.spans())] += 1
         kv = self.gather_kv(torch.stack([k, v]), dim=3)  # [2, b, groups, width, d]
-        c, gqa = self.chunk, q.shape[1] != k.shape[1]
-        out = []
-        for j, (start, stop) in enumerate(self.spans()):
-            out.append(F.scaled_dot_product_attention(
-                q[:, :, j * c:(j + 1) * c], kv[0, :, :, :stop], kv[1, :, :, :stop],
-                attn_mask=self._mask(start, stop, q.device), dropout_p=dropout, scale=scale, enable_gqa=gqa))
+        gqa, out, local = q.shape[1] != k.shape[1], [], 0
+        for start, stop, first in self._pieces():
+            n = stop - start
+            out.append(_attend_lower_right(q[:, :, local:local + n], kv[0, :, :, first:stop],
+                                           kv[1, :, :, first:stop], scale, dropout, gqa))
+            local += n
         return torch.cat(out, dim=2)
 
-    def _mask(self, start: int, stop: int, device) -> torch.Tensor:
-        """[stop - start, stop] bool, True where query position start + i may attend key position j: j <= its
-        position, and in a packed row j in its segment."""
-        query = torch.arange(start, stop, device=device)[:, None]
-        key = torch.arange(stop, device=device)[None, :]
-        allowed = key <= query
-        if self.segments is not None:
-            seg = self.segments.to(device)
-            allowed = allowed & (seg[:stop][None, :] == seg[start:stop][:, None])
-        return allowed
+    def _pieces(self) -> list[tuple[int, int, int]]:
+        """(start, stop, first key) per piece of this rank's chunks, in local order: a chunk cut at its row's
+        segment boundaries (a packed row's sequences), first key = the start of the piece's sequence."""
+        if self.segments is None:
+            return [(a, b, 0) for a, b in self.spans()]
+        bounds = torch.nonzero(self.segments[1:] != self.segments[:-1]).flatten() + 1
+        starts = [0] + bounds.tolist()  # each sequence's first position
+        pieces = []
+        for a, b in self.spans():
+            cuts = [x for x in starts if a < x < b]
+            for lo, hi in zip([a] + cuts, cuts + [b]):
+                pieces.append((lo, hi, max(x for x in starts if x <= lo)))
+        return pieces
+
+
+def _attend_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout: float,
+                        gqa: bool) -> torch.Tensor:
+    """q [b, heads, n, d] = the last n of the positions k, v [b, groups, m, d] cover (m >= n): query i attends
+    keys 0 .. m - n + i (causal, aligned at the bottom right). SDPA's is_causal aligns at the top left, so the
+    queries go in reversed, where the mask is a Toeplitz band: allowed(i', j) = j + i' <= m - 1, a strided view
+    of one line of m + n - 1 values (no [n, m] tensor is made, or kept for the backward)."""
+    n, m = q.shape[2], k.shape[2]
+    line = torch.full((n + m - 1,), float("-inf"), dtype=q.dtype, device=q.device)
+    line[:m] = 0.0
+    mask = line.as_strided((n, m), (1, 1))
+    out = F.scaled_dot_product_attention(q.flip(2), k, v, attn_mask=mask, dropout_p=dropout, scale=scale,
+                                         enable_gqa=gqa)
+    return out.flip(2)
 
 
 class _GatherRow(torch.autograd.Function):

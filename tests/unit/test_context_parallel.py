@@ -33,10 +33,11 @@ def test_width_must_split_into_2cp_chunks():
         ContextShard(ContextGroup(2, 0), 10)
 
 
-def test_mask_is_causal_within_segments():
-    segments = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])
-    mask = shards(8, 2, segments)[1]._mask(2, 4, "cpu")  # positions 2, 3 over keys 0..3
-    assert mask.tolist() == [[True, True, True, False], [False, False, False, True]]
+def test_pieces_cut_chunks_at_sequence_starts():
+    segments = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])  # sequences at 0, 3, 7
+    assert shards(8, 2, segments)[0]._pieces() == [(0, 2, 0), (6, 7, 3), (7, 8, 7)]  # chunks 0 and 3
+    assert shards(8, 2, segments)[1]._pieces() == [(2, 3, 0), (3, 4, 3), (4, 6, 3)]  # chunks 1 and 2
+    assert shards(8, 2)[1]._pieces() == [(2, 4, 0), (4, 6, 0)]
 
 
 class LocalShard(ContextShard):
