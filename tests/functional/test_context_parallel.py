@@ -1,17 +1,19 @@
 """Context parallelism (backends/context_parallel.py) on both back ends against single-process Hugging Face.
 
-Rows of up to 2,000 tokens on a tiny Qwen3 (GQA, q/k norms): log-probs within 1e-5 of HF and one train call (two
-optimizer steps) within 1e-4 (policy_checks), per layout:
+Rows of up to 2,000 tokens on a tiny Qwen3 (GQA, q/k norms): log-probs within 1e-5 of HF and one optimizer step
+within 1e-4 (policy_checks), per layout:
 - Megatron CP=2; CP=2 x TP=2 + SP on packed rows; CP=2 x PP=2 with recompute; CP=2 x DP=2 with the distributed
   optimizer; CP=2 with LoRA (against peft);
-- DTensor CP=2, and CP=2 on packed rows.
+- DTensor CP=2, and CP=2 on packed rows;
+- a reward model's scores (the scalar head at each sequence's last token, wherever its CP rank) on Megatron CP=2.
 Contiguous halves would agree with HF just as well, so every layout also asserts that each rank attended with
 its load-balanced pair of chunks (r, 2·cp-1-r).
 """
 
 import pytest
 from lora_checks import check_lora_step, lora_policy_config
-from policy_checks import CLUSTER, assert_logprobs_match_hf, check_train_parity, make_batch, policy_config
+from policy_checks import (CLUSTER, assert_logprobs_match_hf, assert_scores_match_hf, check_train_parity, make_batch,
+                           policy_config)
 
 from nemo_grpo.backends import context_parallel
 from nemo_grpo.config import ClusterConfig
@@ -73,3 +75,10 @@ def test_megatron_context_parallel_lora_matches_peft(ray_cluster, policy_pool, t
     cfg = lora_policy_config(path, backend="megatron", **CP2)
     with policy_pool.policy(cfg, CLUSTER, path, init_reference=True) as policy:
         check_lora_step(policy, path, make_batch(8, seed=2, t=801))  # two steps: B moves, then A
+
+
+def test_megatron_context_parallel_scores_match_hf(ray_cluster, policy_pool, tiny_model_dir):
+    path = tiny_model_dir("qwen3", scalar_head=True, num_key_value_heads=2, max_position_embeddings=4096)
+    cfg = policy_config(path, backend="megatron", **CP2)
+    with policy_pool.policy(cfg, CLUSTER, path, scalar_head=True) as policy:
+        assert_scores_match_hf(policy, path, make_batch(5, seed=3, t=601))
