@@ -71,6 +71,7 @@ class ModelSpec:
     experts: int = 0
     experts_per_token: int = 0
     moe_ffn: int = 0
+    moe_norm_topk: bool = True  # HF norm_topk_prob: the top-k routing weights renormalised to sum to 1
 
 
 def rope_parameters(cfg) -> dict:
@@ -188,7 +189,7 @@ def _moe_sizes(cfg, arch: str) -> dict:
         raise ValueError(f"{arch} with dense layers among the sparse ones (decoder_sparse_step "
                          f"{cfg.decoder_sparse_step}, mlp_only_layers {cfg.mlp_only_layers}) is not supported")
     return {"experts": moe_experts(cfg), "experts_per_token": cfg.num_experts_per_tok,
-            "moe_ffn": cfg.moe_intermediate_size}
+            "moe_ffn": cfg.moe_intermediate_size, "moe_norm_topk": bool(getattr(cfg, "norm_topk_prob", True))}
 
 
 @dataclass(frozen=True)
