@@ -55,6 +55,10 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1  # must divide the model's num_hidden_layers
     sequence_parallel: bool = False  # with tp > 1: activations outside attention/MLP split along the sequence
     context_parallel_size: int = 1  # only 1 is supported so far (rejected otherwise, with a message)
+    # Mixture-of-Experts models: the routed experts of each layer split over this many ranks (Megatron's expert
+    # parallelism, tokens exchanged all-to-all); carved out of the data-parallel ranks, so it must divide dp and
+    # the number of experts
+    expert_model_parallel_size: int = 1
     # Megatron-Core's DistributedOptimizer: fp32 main weights and optimizer state sharded over the data-parallel
     # ranks, gradients reduce-scattered by its DistributedDataParallel (distributed_data_parallel_config)
     use_distributed_optimizer: bool = False
