@@ -60,6 +60,10 @@ class MegatronConfig:
     # context-parallel degree: each sequence cut into 2 x this many chunks over as many ranks (world = tp x cp x pp
     # x dp); the max_total_sequence_length and token budgets must divide by 2 x this (x tp with sequence_parallel)
     context_parallel_size: int = 1
+    # Mixture-of-Experts models: the routed experts of each layer split over this many ranks (Megatron's expert
+    # parallelism, tokens exchanged all-to-all); carved out of the data-parallel ranks, so it must divide dp and
+    # the number of experts
+    expert_model_parallel_size: int = 1
     # Megatron-Core's DistributedOptimizer: fp32 main weights and optimizer state sharded over the data-parallel
     # ranks, gradients reduce-scattered by its DistributedDataParallel (distributed_data_parallel_config)
     use_distributed_optimizer: bool = False

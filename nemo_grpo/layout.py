@@ -70,14 +70,26 @@ class ParallelLayout:
         return f"dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp} = {self.world}"
 
 
+def _check_expert_parallel(ep, layout: ParallelLayout, key: str) -> None:
+    """Megatron's expert parallelism splits the experts over ep of the data-parallel ranks: ep must divide dp."""
+    if not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"config key '{key}expert_model_parallel_size': must be an integer >= 1, got {ep!r}")
+    if layout.dp % ep:
+        raise ConfigError(f"config key '{key}expert_model_parallel_size': {ep} does not divide the data parallel "
+                          f"size {layout.dp} ({layout}); expert parallelism splits the experts over data-parallel "
+                          "ranks")
+
+
 def backend_layout(backend: str, dtensor_cfg, megatron_cfg, world: int, prefix: str = "policy",
                    where: str = "") -> ParallelLayout:
     """The layout of a back end's section (`<prefix>.dtensor_cfg` or `<prefix>.megatron_cfg`) on `world` ranks."""
     if backend == "megatron":
         m = megatron_cfg
         keys = {k: f"{prefix}.megatron_cfg.{v}" for k, v in MEGATRON_KEYS.items()}
-        return ParallelLayout.build(world, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                                    cp=m.context_parallel_size, keys=keys, where=where)
+        layout = ParallelLayout.build(world, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                                      cp=m.context_parallel_size, keys=keys, where=where)
+        _check_expert_parallel(m.expert_model_parallel_size, layout, f"{prefix}.megatron_cfg.")
+        return layout
     d = dtensor_cfg
     keys = {k: f"{prefix}.dtensor_cfg.{v}" for k, v in DTENSOR_KEYS.items()}
     return ParallelLayout.build(world, tp=d.tensor_parallel_size, cp=d.context_parallel_size,

@@ -34,7 +34,7 @@ from nemo_grpo.errors import require_choice as _choice
 from nemo_grpo.layout import ParallelLayout, backend_layout, check_inactive_degrees, policy_layout
 from nemo_grpo.models.files import check_model_dir
 from nemo_grpo.models.lora import validate_lora
-from nemo_grpo.models.spec import check_divisible, check_megatron_builds_experts, check_rope
+from nemo_grpo.models.spec import check_divisible, check_megatron_experts, check_rope, moe_experts
 from nemo_grpo.utils.checkpoint import CONFIG_YAML, FINAL_PREFIX, POLICY_DIR, TRAINING_INFO, checkpoint_problem
 
 PRECISIONS = ["float32", "bfloat16"]
@@ -246,7 +246,16 @@ def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "polic
                           f"{first}") from None
     if p.backend == "megatron":
         m, key = p.megatron_cfg, f"{prefix}.megatron_cfg."
-        check_megatron_builds_experts(hf, f"{prefix}.backend", model_path)
+        check_megatron_experts(hf, f"{prefix}.megatron_cfg", model_path, m.tensor_model_parallel_size,
+                               m.pipeline_model_parallel_size, m.expert_model_parallel_size)
+        _need(not (moe_experts(hf) and m.use_distributed_optimizer), key + "use_distributed_optimizer",
+              "not with a Mixture-of-Experts model yet (its expert gradients would need their own buckets, "
+              "reduced over the expert-data-parallel group); set it to false")
+        _need(not (moe_experts(hf) and p.lora.enabled), f"{prefix}.lora.enabled",
+              "not with a Mixture-of-Experts model on megatron yet (no adapters on the experts or the router)")
+        _need(not (moe_experts(hf) and m.context_parallel_size > 1), key + "context_parallel_size",
+              f"{m.context_parallel_size}: not with a Mixture-of-Experts model yet (expert parallelism and context "
+              "parallelism both ride on the data-parallel ranks; their combination is not built); set it to 1")
         check_rope(hf, f"{prefix}.model_name")
         overlap = m.use_distributed_optimizer and m.distributed_data_parallel_config.overlap_grad_reduce
         tied_over_stages = m.pipeline_model_parallel_size > 1 and getattr(hf, "tie_word_embeddings", False)

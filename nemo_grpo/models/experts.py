@@ -9,7 +9,7 @@ the loaders that read them (vLLM's), name each expert's own tensors: `mlp.expert
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -38,3 +38,14 @@ def unfuse_experts(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tupl
             for e in range(tensor.shape[0]):
                 yield f"{m['prefix']}.{e}.gate_proj.weight", gate[e]
                 yield f"{m['prefix']}.{e}.up_proj.weight", up[e]
+
+
+def read_fused_experts(name: str, experts: range, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """The fused tensor `name` (`...mlp.experts.gate_up_proj` / `down_proj`) restricted to `experts`, read from a
+    checkpoint that names each expert's tensors (`get`: checkpoint name -> tensor): [len(experts), 2F, H] with
+    each expert's gate rows then its up rows, or [len(experts), H, F]."""
+    m = FUSED.match(name)
+    if m["kind"] == "down_proj":
+        return torch.stack([get(f"{m['prefix']}.{e}.down_proj.weight") for e in experts])
+    return torch.stack([torch.cat([get(f"{m['prefix']}.{e}.{x}_proj.weight") for x in ("gate", "up")])
+                        for e in experts])

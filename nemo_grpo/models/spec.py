@@ -71,6 +71,7 @@ class ModelSpec:
     experts: int = 0
     experts_per_token: int = 0
     moe_ffn: int = 0
+    moe_norm_topk: bool = True  # HF norm_topk_prob: the top-k routing weights renormalised to sum to 1
 
 
 def rope_parameters(cfg) -> dict:
@@ -123,13 +124,26 @@ def moe_experts(cfg) -> int:
     return int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0)
 
 
-def check_megatron_builds_experts(cfg, backend_key: str, model: str) -> None:
-    """An MoE model on the Megatron back end, which does not build experts yet, is a ConfigError naming
-    `backend_key` (training's validation and the planner say the same)."""
-    if moe_experts(cfg):
-        raise ConfigError(f"config key '{backend_key}': megatron does not build Mixture-of-Experts models yet "
-                          f"({model}: {moe_experts(cfg)} experts); use {backend_key}=dtensor, which trains them "
-                          "under FSDP2 (+ tensor parallelism on attention)")
+def check_megatron_experts(cfg, megatron_key: str, model: str, tp: int, pp: int, ep: int) -> None:
+    """What the Megatron back end builds of a model's experts, a ConfigError naming the key otherwise
+    (`megatron_key`: e.g. policy.megatron_cfg): MoE at tensor_model_parallel_size 1 and pipeline_model_parallel_size
+    1 (tested so far; the experts are not split over TP), with an expert_model_parallel_size that divides the
+    experts; expert_model_parallel_size 1 for a dense model."""
+    experts, key = moe_experts(cfg), megatron_key + "."
+    if not experts:
+        if ep != 1:
+            raise ConfigError(f"config key '{key}expert_model_parallel_size': {ep}, but {model} is a dense model "
+                              "(no experts to split); set it to 1")
+        return
+    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        if value != 1:
+            raise ConfigError(f"config key '{key}{name}': {value}; megatron builds Mixture-of-Experts models "
+                              f"({model}: {experts} experts) at tensor and pipeline parallel size 1 only so far: "
+                              f"split the experts with {key}expert_model_parallel_size, or use "
+                              f"{megatron_key.rpartition('.')[0]}.backend=dtensor (FSDP2 + TP on attention)")
+    if experts % ep:
+        raise ConfigError(f"config key '{key}expert_model_parallel_size': {ep} does not divide the model's "
+                          f"{experts} experts")
 
 
 def check_divisible(cfg, tp: int, pp: int, tp_key: str, pp_key: Optional[str] = None) -> None:
@@ -188,7 +202,7 @@ def _moe_sizes(cfg, arch: str) -> dict:
         raise ValueError(f"{arch} with dense layers among the sparse ones (decoder_sparse_step "
                          f"{cfg.decoder_sparse_step}, mlp_only_layers {cfg.mlp_only_layers}) is not supported")
     return {"experts": moe_experts(cfg), "experts_per_token": cfg.num_experts_per_tok,
-            "moe_ffn": cfg.moe_intermediate_size}
+            "moe_ffn": cfg.moe_intermediate_size, "moe_norm_topk": bool(getattr(cfg, "norm_topk_prob", True))}
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,7 @@ from transformers import AutoConfig
 
 from nemo_grpo.config import BUILTIN_MODEL_PREFIX, ConfigError
 from nemo_grpo.models.builtin import builtin_config
-from nemo_grpo.models.spec import (HFTensor, ModelSpec, check_megatron_builds_experts, hf_tensors, model_spec,
-                                   pipeline_stage)
+from nemo_grpo.models.spec import HFTensor, ModelSpec, hf_tensors, model_spec, moe_experts, pipeline_stage
 
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
                max_position_embeddings=8192, num_key_value_heads=8, tie_word_embeddings=False)
@@ -81,10 +80,14 @@ def hf_config(model_name: str, key: str):
 def decoder_spec(cfg, scalar_head: bool, tp: int = 1, pp: int = 1, megatron: bool = True,
                  layout_key: str = "policy.megatron_cfg") -> ModelSpec:
     """HF config -> ModelSpec at (tp, pp); megatron=False sizes any RoPE (the DTensor back end runs them all) and
-    Mixture-of-Experts models (megatron=True refuses them: that back end does not build experts yet)."""
-    if megatron:
-        check_megatron_builds_experts(cfg, layout_key.rpartition(".")[0] + ".backend",
-                                      getattr(cfg, "name_or_path", "") or cfg.model_type)
+    Mixture-of-Experts models. megatron=True refuses MoE models: training builds them (tp = pp = 1, experts split
+    by expert_model_parallel_size), but the planner's Megatron rows count no expert parallelism yet."""
+    if megatron and moe_experts(cfg):
+        backend_key = layout_key.rpartition(".")[0] + ".backend"
+        raise ConfigError(f"config key '{backend_key}': the planner does not size Mixture-of-Experts models on "
+                          f"megatron yet ({getattr(cfg, 'name_or_path', '') or cfg.model_type}: {moe_experts(cfg)} "
+                          f"experts; its rows do not split experts over {layout_key}.expert_model_parallel_size); "
+                          f"plan with {backend_key}=dtensor for the model's size")
     return model_spec(cfg, tp, pp, scalar_head=scalar_head, any_rope=not megatron, layout_key=layout_key)
 
 

@@ -1,28 +1,84 @@
 """Mixture-of-Experts models at config time: the DTensor back end takes Qwen3-MoE (HF's own model under FSDP2);
-the Megatron back end does not build experts yet and says so, naming the key, before any worker starts. And the
-expert tensors' two layouts. (Parity with HF is in tests/functional/test_dtensor_policy.py.)"""
+the Megatron back end takes it at tp = pp = 1 with expert parallelism, and refuses what it does not build yet,
+naming the key, before any worker starts. And the expert tensors' two layouts, and their Megatron mapping.
+(Parity with HF is in tests/functional/test_dtensor_policy.py and test_mcore_moe.py.)"""
+
+import math
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from nemo_grpo.backends.mcore import weights
 from nemo_grpo.config import PolicyConfig
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.models.experts import fused_expert_names, unfuse_experts
-from nemo_grpo.models.spec import moe_experts
+from nemo_grpo.layout import policy_layout
+from nemo_grpo.models.spec import hf_tensors, model_spec, moe_experts
 from nemo_grpo.models.tiny import tiny_config
 from nemo_grpo.planning.params import active_params, decoder_spec, hf_config, total_params
 from nemo_grpo.validation import validate_model_layout
 
 
-def test_moe_on_megatron_is_named_dtensor_takes_it(tmp_path):
+def _megatron(path, **overrides) -> PolicyConfig:
+    cfg = PolicyConfig(model_name=str(path), backend="megatron")
+    for key, value in overrides.items():
+        obj, _, field = key.rpartition(".")
+        setattr(cfg if not obj else getattr(cfg, obj), field, value)
+    return cfg
+
+
+def test_both_back_ends_take_moe(tmp_path):
     cfg = tiny_config("qwen3_moe")
     assert moe_experts(cfg) == 8 and moe_experts(tiny_config("qwen3")) == 0
     cfg.save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match=r"config key 'policy.backend': megatron does not build Mixture-of-Experts "
-                                          r"models yet \(.*: 8 experts\); use policy.backend=dtensor"):
-        validate_model_layout(PolicyConfig(model_name=str(tmp_path), backend="megatron"), str(tmp_path))
     validate_model_layout(PolicyConfig(model_name=str(tmp_path), backend="dtensor"), str(tmp_path))
+    validate_model_layout(_megatron(tmp_path), str(tmp_path))
+    validate_model_layout(_megatron(tmp_path, **{"megatron_cfg.expert_model_parallel_size": 8}), str(tmp_path))
+
+
+@pytest.mark.parametrize("overrides,key,message", [
+    ({"megatron_cfg.expert_model_parallel_size": 3}, "policy.megatron_cfg.expert_model_parallel_size",
+     "3 does not divide the model's 8 experts"),
+    ({"megatron_cfg.tensor_model_parallel_size": 2}, "policy.megatron_cfg.tensor_model_parallel_size",
+     "at tensor and pipeline parallel size 1 only so far"),
+    ({"megatron_cfg.pipeline_model_parallel_size": 2}, "policy.megatron_cfg.pipeline_model_parallel_size",
+     "at tensor and pipeline parallel size 1 only so far"),
+    ({"megatron_cfg.use_distributed_optimizer": True}, "policy.megatron_cfg.use_distributed_optimizer",
+     "not with a Mixture-of-Experts model yet"),
+    ({"lora.enabled": True}, "policy.lora.enabled", "not with a Mixture-of-Experts model on megatron yet")])
+def test_megatron_refuses_what_it_does_not_build_for_moe(tmp_path, overrides, key, message):
+    tiny_config("qwen3_moe").save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=f"config key '{key}': .*{message}"):
+        validate_model_layout(_megatron(tmp_path, **overrides), str(tmp_path))
+
+
+def test_expert_parallelism_needs_experts_and_data_parallel_ranks(tmp_path):
+    tiny_config("qwen3").save_pretrained(tmp_path)
+    ep = {"megatron_cfg.expert_model_parallel_size": 2}
+    with pytest.raises(ConfigError, match="'policy.megatron_cfg.expert_model_parallel_size': 2, but .* is a dense "
+                                          "model"):
+        validate_model_layout(_megatron(tmp_path, **ep), str(tmp_path))
+    assert policy_layout(_megatron(tmp_path, **ep), world=2).dp == 2
+    with pytest.raises(ConfigError, match="'policy.megatron_cfg.expert_model_parallel_size': 2 does not divide the "
+                                          "data parallel size 1"):
+        policy_layout(_megatron(tmp_path, **ep, **{"megatron_cfg.tensor_model_parallel_size": 2}), world=2)
+
+
+def test_expert_mapping_round_trips_over_expert_parallel_ranks():
+    """HF's fused experts -> each EP rank's Megatron experts (global expert r * E/ep + i as local i; fc1 = the
+    expert's gate rows then up rows) -> back, exactly; by hand on numbered tensors."""
+    spec = model_spec(tiny_config("qwen3_moe", num_hidden_layers=1))
+    hf = {t.name: torch.arange(math.prod(t.shape), dtype=torch.float32).view(t.shape) for t in hf_tensors(spec)}
+    ranks = [weights.to_megatron(hf.__getitem__, spec, 1, 0, 1, 0, ep=2, ep_rank=r) for r in range(2)]
+    fc1 = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
+    gate_up = hf["model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(ranks[1][fc1.format(2)], gate_up[6]) and fc1.format(4) not in ranks[1]
+    assert torch.equal(ranks[0]["decoder.layers.0.mlp.router.weight"], hf["model.layers.0.mlp.gate.weight"])
+    for e in weights.entries(spec):
+        if e.kind in weights.EXPERT_LINEAR:
+            experts = [local[n] for local in ranks for n in weights.expert_params(e, spec, 2)]
+            assert torch.equal(torch.stack(experts), hf[e.hf])
 
 
 def test_fused_experts_split_into_the_checkpoints_tensors():
@@ -51,9 +107,10 @@ def test_moe_parameter_counts_match_the_published_models(name, total, active):
     assert active_params(spec) == pytest.approx(active, rel=1e-3)
 
 
-def test_the_planner_refuses_moe_on_megatron_as_training_does():
-    """`python -m nemo_grpo.plan` must not plan a Megatron MoE run that training would refuse."""
+def test_the_planner_refuses_moe_on_megatron():
+    """`python -m nemo_grpo.plan` must not print a Megatron MoE plan it cannot size: its rows would hold every
+    expert on every rank whatever expert_model_parallel_size says."""
     cfg = hf_config("Qwen3-30B-A3B", "policy.model_name")
-    with pytest.raises(ConfigError, match=r"config key 'policy.backend': megatron does not build Mixture-of-Experts "
-                                          r"models yet \(qwen3_moe: 128 experts\)"):
+    with pytest.raises(ConfigError, match=r"config key 'policy.backend': the planner does not size "
+                                          r"Mixture-of-Experts models on megatron yet \(qwen3_moe: 128 experts"):
         decoder_spec(cfg, scalar_head=False, megatron=True)

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from nemo_grpo.backends.mcore.attention import SDPAttention
+from nemo_grpo.models.experts import FUSED, PER_EXPERT, read_fused_experts
 from nemo_grpo.models.spec import ModelSpec
 
 
@@ -61,7 +62,23 @@ def transformer_config(spec: ModelSpec, mcfg, dtype: torch.dtype):
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         calculate_per_token_loss=True,  # the schedule passes our loss contributions through undivided
-        softmax_scale=_softmax_scale(spec), **recompute)
+        softmax_scale=_softmax_scale(spec), **recompute, **_moe_config(spec, mcfg))
+
+
+def _moe_config(spec: ModelSpec, mcfg) -> dict:
+    """TransformerConfig's MoE fields ({} for a dense model), routing as HF Qwen3-MoE: softmax over all experts,
+    the top k, renormalised when norm_topk_prob: Megatron's softmax over the top-k logits (moe_router_pre_softmax
+    False) is that function; without norm_topk_prob, pre_softmax (softmax over all, then the top k). No
+    load-balancing loss for now (moe_aux_loss_coeff 0, "none"): HF's training forward adds none either
+    (output_router_logits off). The router runs in fp32. Token dispatch "alltoall" (gloo's all_to_all)."""
+    if not spec.experts:
+        return {}
+    return dict(num_moe_experts=spec.experts, moe_router_topk=spec.experts_per_token,
+                moe_ffn_hidden_size=spec.moe_ffn, moe_router_score_function="softmax",
+                moe_router_pre_softmax=not spec.moe_norm_topk, moe_router_dtype="fp32",
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
+                moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+                expert_model_parallel_size=mcfg.expert_model_parallel_size)
 
 
 def _softmax_scale(spec: ModelSpec):
@@ -81,7 +98,8 @@ def build_gpt(spec: ModelSpec, config, attention: str = "sdpa") -> nn.Module:
     if spec.transformer_engine:  # fused norm + linear kernels; weights.py names the norms accordingly
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     else:
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+        layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts or None, moe_grouped_gemm=False,
+                                              normalization="RMSNorm", qk_layernorm=spec.qk_norm)
         if attention == "sdpa":
             layer_spec.submodules.self_attention.submodules.core_attention = SDPAttention
     model = GPTModel(
@@ -171,7 +189,9 @@ class RotaryPositions:
 
 
 def hf_tensor_reader(model_dir: str) -> Callable[[str], torch.Tensor]:
-    """name -> tensor from the safetensors files of an HF directory (read lazily; one open handle per file)."""
+    """name -> tensor from the safetensors files of an HF directory (read lazily; one open handle per file).
+    MoE: a fused expert name (models/experts.py) the checkpoint stores per expert is stacked from them;
+    `get.read_experts(name, experts)` reads only the experts of the range (an expert-parallel rank's)."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -186,6 +206,8 @@ def hf_tensor_reader(model_dir: str) -> Callable[[str], torch.Tensor]:
     handles: dict[str, object] = {}
 
     def get(name: str) -> torch.Tensor:
+        if name not in where and FUSED.match(name):
+            return read_experts(name, None)
         if name not in where:
             raise KeyError(f"megatron back end: tensor '{name}' is not in {model_dir}")
         path = where[name]
@@ -193,6 +215,17 @@ def hf_tensor_reader(model_dir: str) -> Callable[[str], torch.Tensor]:
             handles[path] = safe_open(path, "pt")
         return handles[path].get_tensor(name).float()
 
+    def read_experts(name: str, experts) -> torch.Tensor:
+        if name in where:
+            full = get(name)
+            return full if experts is None else full[experts.start:experts.stop]
+        if experts is None:
+            prefix = FUSED.match(name)["prefix"]
+            experts = range(sum(1 for k in where if PER_EXPERT.match(k) and k.startswith(prefix + ".")
+                                and k.endswith(".down_proj.weight")))
+        return read_fused_experts(name, experts, get)
+
+    get.read_experts = read_experts
     return get
 
 

@@ -8,7 +8,10 @@ What breaks on CPU, and the fix here (measured with megatron-core 0.16.1, torch 
 - hard-coded `device="cuda"` in schedules, optimizer and grad clipping: a TorchFunctionMode rewrites it to cpu;
 - the distributed optimizer's `torch.cuda.FloatTensor` type check: `Tensor.type()` answers the CUDA name there;
 - `torch.cuda.synchronize()` in pipeline p2p: a no-op;
-- sequence parallelism refuses torch's norms: they are built anyway, their params tagged `sequence_parallel`.
+- sequence parallelism refuses torch's norms: they are built anyway, their params tagged `sequence_parallel`;
+- MoE's alltoall token dispatcher makes a `torch.cuda.Stream()` for the device-to-host copies of its all-to-all
+  split sizes (which become numpy there, and gloo's all_to_all_single refuses a tensor of split sizes): its class
+  stream is preset and its copy step (`_maybe_dtoh_and_synchronize`) only turns the split sizes into numpy.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from megatron.core.fusions import fused_softmax
 from megatron.core.tensor_parallel import random as mrandom
 from megatron.core.transformer import torch_norm
+from megatron.core.transformer.moe import token_dispatcher
 
 _APPLIED = False
 
@@ -60,6 +64,17 @@ class _CpuRNGStatesTracker:
         finally:
             self.states_[name] = torch.get_rng_state()
             torch.set_rng_state(saved)
+
+
+def _split_sizes_to_numpy(self, point: str, tokens_per_expert=None):
+    """MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize on CPU: at its copy point, the all-to-all split
+    sizes as numpy (what its device-to-host copy makes of them on GPU); nothing to copy or synchronize."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
 
 
 def _is_cuda(d) -> bool:
@@ -112,6 +127,10 @@ def apply() -> None:
     # FusedScaleMaskSoftmax's causal mask (`get_default_causal_mask`, device="cuda"): the device mode does not
     # reach the forward that activation recomputation re-runs inside the backward pass
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    # MoEAlltoAllTokenDispatcher: `torch.cuda.Stream()` in its constructor unless the class has one; the
+    # stream's copies of the split sizes per dispatch
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no side stream"
+    token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _split_sizes_to_numpy
 
 
 def allow_sequence_parallel_norm() -> None:
@@ -136,6 +155,17 @@ def allow_sequence_parallel_norm() -> None:
 
     torch_norm.WrappedTorchNorm.__new__ = __new__
     torch_norm.WrappedTorchNorm._nemo_grpo_sp = True
+
+
+def moe_router_without_transformer_engine() -> None:
+    """Answers `NameError: te_general_gemm` in the MoE router's fp32 gating linear (moe_utils.
+    RouterGatingLinearFunction) when Transformer Engine is absent: megatron-core 0.16.1 tests the name, which
+    its failed TE import left undefined; None takes its own torch.mm path. Idempotent; also needed on GPU
+    without Transformer Engine."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def device_context():

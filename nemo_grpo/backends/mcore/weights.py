@@ -9,6 +9,10 @@ nemo_grpo/models/spec.py: each HF tensor names the pipeline stage that owns it, 
   vocab  rows padded to the TP-divisible vocabulary, then split along dim 0 (embeddings, lm_head)
   q/k/v  fused into linear_qkv grouped per KV group: for group g the rows [q heads of g, k_g, v_g]; split dim 0
   gate/up  fused into linear_fc1; TP rank r holds [gate shard r; up shard r]
+  experts_fc1 / experts_fc2   MoE: HF's fused [E, 2F, H] / [E, H, F] (models/experts.py) cut into the E / ep
+         experts of this expert-parallel rank, expert e (global) -> `local_experts.{e mod E/ep}.linear_fc1.weight`
+         [2F, H] (gate rows then up rows, as Megatron's gated fc1 and the dense MLP's TP=1 fc1) and `.linear_fc2`
+         [H, F]; not split over TP (the Megatron back end builds MoE at tp=1 only, validation.py)
 Loading (`to_megatron`) maps full HF tensors to this rank's shards; export (`to_hf`) maps the TP shards of the
 owning stage back to full HF tensors, bit-exactly (slicing and concatenation only).
 """
@@ -46,6 +50,9 @@ _LAYER_PARAMS = {
     "mlp.gate_proj.weight": "mlp.linear_fc1.weight",
     "mlp.up_proj.weight": "mlp.linear_fc1.weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+    "mlp.gate.weight": "mlp.router.weight",  # MoE: the router (TopKRouter), [experts, hidden]
+    "mlp.experts.gate_up_proj": "mlp.experts.local_experts",  # MoE: a prefix; the experts are SequentialMLP's
+    "mlp.experts.down_proj": "mlp.experts.local_experts",
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
 }
@@ -67,9 +74,23 @@ def _mcore_name(t: HFTensor, s: ModelSpec, pp: int) -> str:
     return f"decoder.layers.{local}.{param}"
 
 
+# MoE expert tensors: HF name suffix -> kind, and the Megatron linear inside each local expert
+EXPERT_KINDS = {"mlp.experts.gate_up_proj": "experts_fc1", "mlp.experts.down_proj": "experts_fc2"}
+EXPERT_LINEAR = {"experts_fc1": "linear_fc1.weight", "experts_fc2": "linear_fc2.weight"}
+
+
+def _kind(t: HFTensor) -> str:
+    return EXPERT_KINDS.get(t.name.split(".", 3)[3], t.kind) if t.layer is not None else t.kind
+
+
 def entries(s: ModelSpec, pp: int = 1) -> list[Entry]:
     """Every tensor of the HF state_dict (tied lm_head.weight included, read from the embedding), in order."""
-    return [Entry(t.name, t.shape, pipeline_stage(t, s, pp), _mcore_name(t, s, pp), t.kind) for t in hf_tensors(s)]
+    return [Entry(t.name, t.shape, pipeline_stage(t, s, pp), _mcore_name(t, s, pp), _kind(t)) for t in hf_tensors(s)]
+
+
+def expert_params(e: Entry, s: ModelSpec, ep: int) -> list[str]:
+    """An expert entry's Megatron parameters on one expert-parallel rank, in local expert order."""
+    return [f"{e.mcore}.{i}.{EXPERT_LINEAR[e.kind]}" for i in range(s.experts // ep)]
 
 
 SPLIT_DIM = {"col": 1, "rows": 0, "vocab": 0, "q": 0, "k": 0, "v": 0, "gate": 0, "up": 0}  # kinds split over TP
@@ -115,13 +136,20 @@ def shard(kind: str, full: list[torch.Tensor], s: ModelSpec, tp: int, r: int) ->
 
 
 def to_megatron(get: Callable[[str], torch.Tensor], s: ModelSpec, tp: int, tp_rank: int, pp: int,
-                pp_rank: int) -> dict[str, torch.Tensor]:
-    """HF tensors by name (`get`) -> the state dict of the Megatron model chunk at (tp_rank, pp_rank)."""
+                pp_rank: int, ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """HF tensors by name (`get`) -> the state dict of the Megatron model chunk at (tp_rank, pp_rank), with the
+    experts of expert-parallel rank ep_rank (E / ep of them)."""
     grouped: dict[str, list[Entry]] = {}
-    for e in entries(s, pp):
-        if e.stage == pp_rank and not (e.hf == "lm_head.weight" and s.tied):
-            grouped.setdefault(e.mcore, []).append(e)
     out = {}
+    for e in entries(s, pp):
+        if e.stage != pp_rank or (e.hf == "lm_head.weight" and s.tied):
+            continue
+        if e.kind in EXPERT_LINEAR:  # [E, ...] -> this EP rank's experts, one parameter each
+            n = s.experts // ep
+            mine = _read_experts(get, e.hf, range(ep_rank * n, (ep_rank + 1) * n))
+            out.update({name: x.contiguous() for name, x in zip(expert_params(e, s, ep), mine)})
+        else:
+            grouped.setdefault(e.mcore, []).append(e)
     for name, es in grouped.items():
         kind = {"q": "qkv", "gate": "fc1"}.get(es[0].kind, es[0].kind)
         out[name] = shard(kind, [get(e.hf) for e in es], s, tp, tp_rank).contiguous()
@@ -130,9 +158,17 @@ def to_megatron(get: Callable[[str], torch.Tensor], s: ModelSpec, tp: int, tp_ra
     return out
 
 
+def _read_experts(get: Callable[[str], torch.Tensor], name: str, experts: range) -> torch.Tensor:
+    """Fused expert tensor `name` [E, ...] restricted to `experts`; only those are read when `get` can
+    (model.hf_tensor_reader's read_experts)."""
+    read = getattr(get, "read_experts", None)
+    return read(name, experts) if read else get(name)[experts.start:experts.stop]
+
+
 # ---------------------------------------------------------------------------------------------- Megatron -> HF
 def to_hf(e: Entry, shards: list[torch.Tensor], s: ModelSpec) -> torch.Tensor:
-    """The TP shards (in TP rank order) of Megatron parameter e.mcore -> the full HF tensor e.hf."""
+    """The TP shards (in TP rank order) of Megatron parameter e.mcore -> the full HF tensor e.hf (experts: the
+    worker stacks them, expert_params)."""
     if e.kind == "copy":
         return shards[0]
     if e.kind == "col":

@@ -10,6 +10,10 @@ Only what differs from `PolicyWorker` is here:
 - gradients: TP all-reduce of replicated-but-partial grads (Qwen3 q/k norms, sequence-parallel norms), the
   tied-embedding grad sum between first and last stage, then a data-parallel SUM (losses use global counts);
 - the clipped norm counts every element once (TP duplicates and the last stage's tied copy skipped);
+- Mixture-of-Experts (Qwen3-MoE, at tp = pp = 1): Megatron's MoELayer (TopKRouter, SequentialMLP experts,
+  alltoall token dispatch); expert_model_parallel_size splits each layer's experts over ep of the DP ranks
+  (each loads its own from the checkpoint); expert gradients are summed over the expert-data-parallel group,
+  counted once per expert in the norm, and all-gathered over the expert-parallel group for export;
 - export: TP shards all-gathered on the owning stage, mapped to full HF tensors, sent to rank 0;
 - checkpoints: torch.distributed.checkpoint of HF-named full tensors (weights and optimizer moments), so a
   checkpoint loads at any TP / PP / DP layout;
@@ -56,13 +60,15 @@ class MegatronPolicyWorker(PolicyWorker):
     # ------------------------------------------------------------------------------------------ build
     def _build_model(self) -> None:
         m = self.cfg.megatron_cfg
-        tp, pp = self.parallel_layout.tp, self.parallel_layout.pp
+        tp, pp, ep = self.parallel_layout.tp, self.parallel_layout.pp, m.expert_model_parallel_size
         shim.apply()
+        shim.moe_router_without_transformer_engine()
         if m.sequence_parallel and tp > 1:
             shim.allow_sequence_parallel_norm()
         with shim.device_context():
             if not ps.model_parallel_is_initialized():
-                ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+                ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
             tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
             self.hf_config = self._hf_config_of(AutoConfig.from_pretrained(self.model_path))
             self.spec = model_spec(self.hf_config, tp, pp, self.scalar_head,
@@ -76,10 +82,12 @@ class MegatronPolicyWorker(PolicyWorker):
         # (it is built with cp 1: the CP ranks are replicas of the weights whose gradients are summed)
         self.dp_rank, self.dp_size = self.parallel_layout.rank_coords(self.rank)["dp"], self.parallel_layout.dp
         self.replica_rank = ps.get_data_parallel_rank()  # this rank's index among the replicas of its shard
+        self.ep_size, self.ep_rank = ep, ps.get_expert_model_parallel_rank()
+        self.edp_rank = ps.get_expert_data_parallel_rank()
         self.is_last_stage = self.pp_rank == pp - 1
         self.output_rank = self.is_last_stage and self.tp_rank == 0 and self.context.rank == 0
         local = weights.to_megatron(mmodel.hf_tensor_reader(self.model_path), self.spec, tp, self.tp_rank, pp,
-                                    self.pp_rank)
+                                    self.pp_rank, ep, self.ep_rank)
         mmodel.load_local(model, local)
         mmodel.mark_tensor_parallel(model, weights.tp_split_dims(self.spec, pp, self.pp_rank))
         self.adapters = None  # policy.lora: MegatronLora, the adapters on the targeted linears (base frozen)
@@ -284,8 +292,11 @@ class MegatronPolicyWorker(PolicyWorker):
             with shim.device_context():
                 return self.dist_opt.reduce_gradients(before=self._model_parallel_grad_sums)
         self._model_parallel_grad_sums()
+        experts = [n for n in self.main if _is_expert(self.params[n])]
         if ps.get_data_parallel_world_size() > 1:
-            _all_reduce_flat(self._grads(list(self.main)), ps.get_data_parallel_group())
+            _all_reduce_flat(self._grads([n for n in self.main if n not in experts]), ps.get_data_parallel_group())
+        if experts and ps.get_expert_data_parallel_world_size() > 1:  # an expert's replicas: other EP groups' ranks
+            _all_reduce_flat(self._grads(experts), ps.get_expert_data_parallel_group())
 
     def _model_parallel_grad_sums(self) -> None:
         """TP sum of the partial gradients of replicated parameters; the tied embedding's sum over its stages
@@ -300,20 +311,28 @@ class MegatronPolicyWorker(PolicyWorker):
 
     def _grad_norm(self) -> float:
         """Global L2 norm over the model-parallel group (DP ranks hold the same summed grads), each element
-        counted once: TP-replicated parameters only on TP rank 0, the last stage's tied embedding copy not."""
+        counted once: TP-replicated parameters only on TP rank 0, the last stage's tied embedding copy not; the
+        experts' squares summed over the expert-model-parallel ranks (each holds its own experts) instead."""
         if self.dist_opt is not None:
             with shim.device_context():
                 return self.dist_opt.grad_norm()
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        expert_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for n, main in self.main.items():
             p = self.params[n]
             duplicate = getattr(p, "shared", False) or (
                 self.tp_rank > 0 and not getattr(p, "tensor_model_parallel", False))
             grad = main.grad
-            if grad is not None and not duplicate:
+            if grad is None or duplicate:
+                continue
+            if _is_expert(p):
+                expert_sq = expert_sq + grad.detach().float().pow(2).sum()
+            else:
                 sq = sq + grad.detach().float().pow(2).sum()
         dist.all_reduce(sq, group=ps.get_model_parallel_group())
-        return float(sq.sqrt())
+        if self.spec.experts:
+            dist.all_reduce(expert_sq, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        return float((sq + expert_sq).sqrt())
 
     def _local_grads(self) -> list[torch.Tensor]:
         if self.dist_opt is not None:
@@ -333,12 +352,16 @@ class MegatronPolicyWorker(PolicyWorker):
         """Collective: full HF tensors for `names` of `table` (default: the model's; LoRA adapters: peft's keys)
         from per-Megatron-parameter local tensors `local` (weights or optimizer moments shaped like them);
         meaningful on rank 0. The owning stage's DP-rank-0 TP group all-gathers, its TP rank 0 maps and sends to
-        rank 0 when it is not rank 0 itself."""
+        rank 0 when it is not rank 0 itself. Experts: the expert-parallel group of expert-DP rank 0 all-gathers
+        each rank's experts (DP rank 0 is in it)."""
         out, gathered = {}, {}
         for name in names:
             e = (table or self.entries)[name]
             full = None
-            if self.pp_rank == e.stage and self.replica_rank == 0:
+            if e.kind in weights.EXPERT_LINEAR:
+                if self.pp_rank == e.stage and self.edp_rank == 0:
+                    full = self._gather_experts(e, local)
+            elif self.pp_rank == e.stage and self.replica_rank == 0:
                 if e.mcore not in gathered:
                     gathered[e.mcore] = _tp_shards(self.params[e.mcore], local[e.mcore],
                                                    ps.get_tensor_model_parallel_group(), self.tp_size)
@@ -352,6 +375,16 @@ class MegatronPolicyWorker(PolicyWorker):
                     dist.recv(full)
                 out[name] = full.to("cpu", copy=True)
         return out
+
+    def _gather_experts(self, e: weights.Entry, local: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Collective over the expert-parallel group: expert entry e's full HF tensor [E, ...] from each rank's
+        local experts (`local`, by Megatron name)."""
+        mine = torch.stack([local[n].detach() for n in weights.expert_params(e, self.spec, self.ep_size)])
+        if self.ep_size == 1:
+            return mine
+        parts = [torch.empty_like(mine) for _ in range(self.ep_size)]
+        dist.all_gather(parts, mine.contiguous(), group=ps.get_expert_model_parallel_group())
+        return torch.cat(parts)
 
     def _main_weights(self) -> dict[str, torch.Tensor]:
         """Collective over DP: the trainable weights in fp32 by Megatron name, from the main (in bf16: the fp32
@@ -423,7 +456,7 @@ class MegatronPolicyWorker(PolicyWorker):
         m = self.cfg.megatron_cfg
         shard = self.adapters.shard if self.adapters else partial(
             weights.to_megatron, s=self.spec, tp=m.tensor_model_parallel_size, tp_rank=self.tp_rank,
-            pp=m.pipeline_model_parallel_size, pp_rank=self.pp_rank)
+            pp=m.pipeline_model_parallel_size, pp_rank=self.pp_rank, ep=self.ep_size, ep_rank=self.ep_rank)
         local = shard(lambda name: loaded[f"model/{name}"])
         with torch.no_grad():
             for n, t in local.items():
@@ -463,6 +496,12 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
     dist.all_reduce(flat, group=group)
     for t, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
         t.copy_(reduced)
+
+
+def _is_expert(param: torch.nn.Parameter) -> bool:
+    """A routed expert's parameter under expert parallelism: Megatron marks them `allreduce=False` (at ep=1 they
+    are not marked, and the expert-data-parallel group is the data-parallel one)."""
+    return not getattr(param, "allreduce", True)
 
 
 def _tp_shards(param: torch.nn.Parameter, local: torch.Tensor, group, tp: int) -> list[torch.Tensor]:
