@@ -46,7 +46,9 @@ def test_both_back_ends_take_moe(tmp_path):
      "at tensor and pipeline parallel size 1 only so far"),
     ({"megatron_cfg.use_distributed_optimizer": True}, "policy.megatron_cfg.use_distributed_optimizer",
      "not with a Mixture-of-Experts model yet"),
-    ({"lora.enabled": True}, "policy.lora.enabled", "not with a Mixture-of-Experts model on megatron yet")])
+    ({"lora.enabled": True}, "policy.lora.enabled", "not with a Mixture-of-Experts model on megatron yet"),
+    ({"megatron_cfg.context_parallel_size": 2}, "policy.megatron_cfg.context_parallel_size",
+     "2: not with a Mixture-of-Experts model yet")])
 def test_megatron_refuses_what_it_does_not_build_for_moe(tmp_path, overrides, key, message):
     tiny_config("qwen3_moe").save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match=f"config key '{key}': .*{message}"):
