@@ -4,14 +4,15 @@
     python bench/long_context.py --backend dtensor --lengths 4096 8192
 
 The model: a Qwen3 of hidden 256, 2 layers, 4 heads of 64 (1 KV head: K/V a quarter of the hidden size, as in
-Llama-3-8B), FFN 768, vocabulary 1,000, random weights, fp32. One call = one micro-batch of one row of `length` tokens through the worker's own training step
-(forward, loss on the gathered log-probs, backward, optimizer step), run on every rank of a fresh policy. Per
-cell: the median wall time of --repeats calls after the first, tokens/s, and the largest rank's peak memory of the
-first call above its resident set before it (ru_maxrss less /proc/self/statm, as bench/policy_layouts.py measures
-it), the smallest of --starts fresh policies: from one fresh process to the next it varied by up to 30% here.
-"exchange" and "attention" split one profiled call's CPU time (torch.profiler on rank 0): the K/V all-gather and
-its backward's all-reduce against the SDPA kernels, forward and backward. Each worker runs one
-torch thread; CP=2 runs two processes on two cores, so its wall time also gains from the second core.
+Llama-3-8B), FFN 768, vocabulary 1,000, random weights, fp32. One call = one micro-batch of one row of `length`
+tokens through the worker's own training step (forward, loss on the gathered log-probs, backward, optimizer step),
+run on every rank of a fresh policy. Per cell: the median wall time of --repeats calls after the first, tokens/s,
+and the largest rank's peak memory of the first call above its resident set before it (ru_maxrss less
+/proc/self/statm, as bench/policy_layouts.py measures it), the smallest of --starts fresh policies: from one fresh
+process to the next it varied by up to 30% here. "exchange" and "attention" split one profiled call's CPU time
+(torch.profiler on rank 0): the K/V all-gather and its backward's all-reduce against the SDPA kernels, forward and
+backward. Each worker runs one torch thread; CP=2 runs two processes on two cores, so its wall time also gains from
+the second core.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 (backends/context_parallel.py: this rank's queries over the whole row's gathered keys, `context_shard`).
 
 The model is built with `attn_implementation=VARLEN` when sequence packing or context parallelism is on.
-transformers builds no mask for an implementation it has no mask function for, and passes the forward's keyword arguments through to the
-attention function: the worker hands the packed row's boundaries in as `cu_seq_lens_q` (the keyword of HF's own
-flash-attention varlen path). A packed row given its 4D block-diagonal mask instead
+transformers builds no mask for an implementation it has no mask function for, and passes the forward's keyword
+arguments through to the attention function: the worker hands the packed row's boundaries in as `cu_seq_lens_q` (the
+keyword of HF's own flash-attention varlen path). A packed row given its 4D block-diagonal mask instead
 (policy.sequence_packing.attention=mask) goes to HF's SDPA attention with it.
 """
 
