@@ -64,11 +64,11 @@ def context_group(layout: ParallelLayout, rank: int) -> ContextGroup:
 
 @dataclass
 class ContextShard:
-    """One CP rank's share of a micro-batch's rows of `width` positions. segments [width]: a packed row's segment
-    id per position (attention stays within a segment); None: each row is one causal sequence."""
+    """One CP rank's share of a micro-batch's rows of `width` positions. starts: a packed row's sequence starts
+    (0 first, ascending; attention stays within a sequence); None: each row is one causal sequence."""
     group: ContextGroup
     width: int
-    segments: Optional[torch.Tensor] = None
+    starts: Optional[tuple[int, ...]] = None
 
     def __post_init__(self):
         if self.width % (2 * self.group.size):
@@ -83,11 +83,6 @@ class ContextShard:
         """The two [start, stop) position ranges CP rank `rank` (default: this one) holds, in local order."""
         r, n, c = self.group.rank if rank is None else rank, self.group.size, self.chunk
         return [(r * c, (r + 1) * c), ((2 * n - 1 - r) * c, (2 * n - r) * c)]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """[2c] the row positions this rank holds, in local order."""
-        return torch.cat([torch.arange(a, b) for a, b in self.spans()])
 
     def take(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """A full-row tensor (width along `dim`) -> this rank's positions along `dim` (2c)."""
@@ -130,11 +125,8 @@ class ContextShard:
 
     def _pieces(self) -> list[tuple[int, int, int]]:
         """(start, stop, first key) per piece of this rank's chunks, in local order: a chunk cut at its row's
-        segment boundaries (a packed row's sequences), first key = the start of the piece's sequence."""
-        if self.segments is None:
-            return [(a, b, 0) for a, b in self.spans()]
-        bounds = torch.nonzero(self.segments[1:] != self.segments[:-1]).flatten() + 1
-        starts = [0] + bounds.tolist()  # each sequence's first position
+        sequence starts (a packed row's sequences), first key = the start of the piece's sequence."""
+        starts = self.starts or (0,)
         pieces = []
         for a, b in self.spans():
             cuts = [x for x in starts if a < x < b]

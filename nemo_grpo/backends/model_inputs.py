@@ -150,11 +150,8 @@ def split_context(inputs: ModelInputs, group: ContextGroup) -> ModelInputs:
     multiple of 2 x group.size (the worker's width multiple)."""
     if group.size == 1:
         return inputs
-    segments = None
-    if inputs.packed:
-        bounds = inputs.cu_seqlens
-        segments = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=bounds.device), bounds.diff())
-    shard = ContextShard(group, inputs.width, segments)
+    starts = tuple(inputs.cu_seqlens[:-1].tolist()) if inputs.packed else None
+    shard = ContextShard(group, inputs.width, starts)
     r, t = inputs.input_ids.shape
     positions = inputs.position_ids
     if positions is None:
