@@ -15,14 +15,27 @@ import torch
 torch.set_num_threads(1)
 
 
+SPARE_WORKERS = 8  # torn-down policy workers kept for restarts in place (nemo_grpo/distributed/spare_workers.py)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
+    """The session's Ray cluster: 8 CPU slots for the tests' actors and SPARE_WORKERS more for the spare workers,
+    which every WorkerGroup of the session shares: a policy shut down in one test is torn down and kept, and the
+    next policy of the same back end and size restarts its processes rather than starting new ones (a worker's
+    start-up is most of a tiny policy's)."""
     import ray
 
+    from nemo_grpo.distributed import spare_workers
     from nemo_grpo.distributed.cluster import init_ray
 
-    init_ray()
+    init_ray(num_cpus=8 + SPARE_WORKERS)
+    spares = spare_workers.SpareWorkers(max_workers=SPARE_WORKERS)
+    previous = spare_workers.install(spares)
     yield
+    spare_workers.install(previous)
+    print(f"\nspare workers: {spares.restarts} policies started in existing worker processes")
+    spares.clear()
     ray.shutdown()
 
 

@@ -27,11 +27,12 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from nemo_grpo.backends import checkpoint_state
+from nemo_grpo.backends import checkpoint_state, context_parallel, varlen
 from nemo_grpo.backends.batching import batch_size_of, fixed_size_groups, slice_batch, take_rows
 from nemo_grpo.backends.context_parallel import context_group
 from nemo_grpo.backends.model_inputs import ModelInputs, model_inputs, split_context
 from nemo_grpo.backends.optimizer import build_optimizer, clip_coefficient, lr_warmup_factor
+from nemo_grpo.distributed.spare_workers import RestartableWorker
 from nemo_grpo.distributed.worker_group import init_torch_distributed
 from nemo_grpo.layout import ParallelLayout, policy_layout
 from nemo_grpo.models import lora
@@ -59,7 +60,7 @@ def accumulate(totals: dict[str, float], metrics: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the worker
-class PolicyWorker(ABC):
+class PolicyWorker(RestartableWorker, ABC):
     """One rank of a policy (a Ray actor started by WorkerGroup; the process group exists before the model), and
     a WeightSource (weights/protocols.py) whose `weight_sender` the refitters drive.
 
@@ -90,6 +91,13 @@ class PolicyWorker(ABC):
         elif init_reference:  # the initial weights: a CPU copy of this rank's local shards
             self.reference = {n: t.detach().to("cpu", copy=True) for n, t in self._local_weights().items()}
         self.weight_sender = WeightSender(self)
+
+    def teardown(self) -> None:
+        """Drop the model, the optimizer and the process groups (spare_workers.py: this process may host another
+        policy's rank next), and this process's kernel call counts, which describe the rank it hosted."""
+        varlen.CALLS.clear()
+        context_parallel.CALLS.clear()
+        super().teardown()
 
     # ------------------------------------------------------------------------------------------ back end
     @abstractmethod

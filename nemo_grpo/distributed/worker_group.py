@@ -10,6 +10,9 @@ worker's constructor joins the process group with `init_torch_distributed()`, as
     group.run_all("method", arg)              # same call on every rank -> list of results, by rank
     group.run_each("method", [(a0,), (a1,)])   # per-rank arguments -> list of ObjectRefs
     group.shutdown()                           # kills the actors, frees the bundles; safe twice
+
+Where spare workers are installed (spare_workers.py: the test suite), shutdown tears the actors down and keeps
+them, and the next group of the same worker class, size and environment restarts them in place.
 """
 
 from __future__ import annotations
@@ -27,11 +30,14 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from nemo_grpo.distributed import spare_workers
 from nemo_grpo.distributed.cluster import WORKER_ENV
+from nemo_grpo.distributed.spare_workers import RestartableWorker, kill_actors
 
 log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0
+TEARDOWN_TIMEOUT_S = 60.0
 
 
 STORE_PORTS = range(20000, 32768)  # below Linux's ephemeral range (32768-60999), where outgoing connections bind
@@ -99,15 +105,30 @@ class WorkerGroup:
         if placement_group is not None and placement_group.bundle_count < self.world_size:
             raise ValueError(f"{self.name}: the placement group has {placement_group.bundle_count} bundles for "
                              f"{self.world_size} ranks (cluster.gpus_per_node x cluster.num_nodes)")
-        self._pg = self._reserve_bundles() if placement_group is None else placement_group
-        master_addr, master_port = self._master_address()
         env = {**WORKER_ENV, **(env_vars or {}), "OMP_NUM_THREADS": str(cluster.num_threads_per_worker),
                "MKL_NUM_THREADS": str(cluster.num_threads_per_worker)}
-        self.actors = [self._start_actor(worker_cls, rank, master_addr, master_port, env, args, kwargs or {})
-                       for rank in range(self.world_size)]
+        # spare_workers.py: a torn-down group of this kind, if installed and one waits, is restarted in place
+        recyclable = self._owns_pg and issubclass(worker_cls, RestartableWorker)
+        self._spare_key = (worker_cls, self.world_size, self.local_world_size, self.use_gpus,
+                           tuple(sorted(env.items()))) if recyclable else None
+        spare = spare_workers.installed().take(self._spare_key) if recyclable and spare_workers.installed() else None
+        if spare:
+            self._pg = spare.placement_group
+        else:
+            self._pg = self._reserve_bundles() if placement_group is None else placement_group
+        master_addr, master_port = self._master_address()
+        rank_envs = [self._rank_env(env, rank, master_addr, master_port) for rank in range(self.world_size)]
+        if spare:
+            self.actors = spare.actors
+            starts = [a.restart.remote(e, args, kwargs or {}) for a, e in zip(self.actors, rank_envs)]
+        else:
+            self.actors = [self._start_actor(worker_cls, rank, rank_envs[rank], args, kwargs or {})
+                           for rank in range(self.world_size)]
+            starts = [a.__ray_ready__.remote() for a in self.actors]
         try:  # constructors run in parallel (they rendezvous in init_process_group); wait for all of them
-            ray.get([a.__ray_ready__.remote() for a in self.actors])
+            ray.get(starts)
         except Exception:
+            self._spare_key = None  # half-built workers are not kept
             self.shutdown()
             raise
 
@@ -136,10 +157,12 @@ class WorkerGroup:
         single_node = sum(1 for n in ray.nodes() if n.get("Alive")) == 1
         return ("127.0.0.1" if single_node else ip), port
 
-    def _start_actor(self, worker_cls, rank, master_addr, master_port, env, args, kwargs):
-        rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-                    "LOCAL_RANK": str(rank % self.local_world_size), "LOCAL_WORLD_SIZE": str(self.local_world_size),
-                    "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+    def _rank_env(self, env: dict[str, str], rank: int, master_addr: str, master_port: int) -> dict[str, str]:
+        return {**env, "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(rank % self.local_world_size), "LOCAL_WORLD_SIZE": str(self.local_world_size),
+                "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+
+    def _start_actor(self, worker_cls, rank, rank_env, args, kwargs):
         options = dict(num_cpus=1, num_gpus=1 if self.use_gpus else 0, scheduling_strategy=self._strategy(rank),
                        runtime_env={"env_vars": rank_env}, max_restarts=0)
         return ray.remote(worker_cls).options(**options).remote(*args, **kwargs)
@@ -160,16 +183,16 @@ class WorkerGroup:
         return [getattr(a, method).remote(*rank_args, **kwargs) for a, rank_args in zip(self.actors, args_per_rank)]
 
     def shutdown(self) -> None:
-        """Kill the actors and free the bundles; safe to call twice."""
-        for actor in self.actors:
+        """Kill the actors and free the bundles (with spare workers installed: tear the actors down and keep them,
+        bundles and all, for the next group of this kind); safe to call twice."""
+        spares = spare_workers.installed()
+        if spares is not None and self._spare_key is not None and self.actors:
             try:
-                ray.kill(actor, no_restart=True)
-            except Exception as e:  # already dead
-                log.debug("%s: kill failed: %s", self.name, e)
-        self.actors = []
-        if self._pg is not None and self._owns_pg:
-            try:
-                remove_placement_group(self._pg)
-            except Exception as e:
-                log.debug("%s: removing the placement group failed: %s", self.name, e)
-            self._pg = None
+                ray.get([a.teardown.remote() for a in self.actors], timeout=TEARDOWN_TIMEOUT_S)
+                spares.keep(self._spare_key, spare_workers.SpareGroup(self.actors, self._pg))
+                self.actors, self._pg = [], None
+                return
+            except Exception as e:  # a dead or stuck rank: kill the group
+                log.debug("%s: teardown failed, killing the workers: %s", self.name, e)
+        kill_actors(self.actors, self._pg if self._owns_pg else None, self.name)
+        self.actors, self._pg = [], None

@@ -6,7 +6,9 @@ checkpoint load. A test asks the pool for (config, cluster, model, options) and 
 started in: right after its start the pool saves a checkpoint, and every later hand-out loads it back (weights;
 an optimizer with no state, i.e. fresh; the schedule at step 0; every rank's RNG). Policies stay started between
 the tests of a module, at most MAX_WORKERS worker processes in all (the least recently used idle one is shut down
-first), and a policy whose test raised is shut down rather than handed out again.
+first), and a policy whose test raised is shut down rather than handed out again. A policy shut down here leaves
+its worker processes to the session's spare workers (tests/conftest.py), which the next policy of the same back
+end and size restarts in place.
 """
 
 import contextlib
@@ -20,7 +22,7 @@ from nemo_grpo.build import start_actors
 from nemo_grpo.policy import Policy
 from nemo_grpo.weights.refit import make_refitter
 
-MAX_WORKERS = 6  # pooled workers, in use or idle: the session's Ray cluster has 8 CPU slots, 2 left for a test's own
+MAX_WORKERS = 6  # pooled workers, in use or idle: of the 8 CPU slots for the tests' actors, 2 left for a test's own
 
 
 class PolicyPool:

@@ -105,6 +105,11 @@ class MegatronPolicyWorker(PolicyWorker):
         self.entries = {e.hf: e for e in weights.entries(self.spec, pp)}
         self.tied_aliases = weights.tied_aliases(self.spec)
 
+    def teardown(self) -> None:
+        """Also Megatron-Core's model-parallel state (its groups, the global buffers), which is per process."""
+        ps.destroy_model_parallel()
+        super().teardown()
+
     def _main_params(self, local: dict[str, torch.Tensor], trainable: dict[str, torch.nn.Parameter]
                      ) -> dict[str, torch.nn.Parameter]:
         """The tensors the optimizer steps, by Megatron name: the trainable parameters themselves in fp32; in
