@@ -10,12 +10,15 @@ counts: the real tokens are the rows' first input_lengths positions (prompt and 
   MoE layers: aux = E * sum_e f_e * P_e, with f_e = (top-k assignments to expert e, summed over the layers) /
   (L * n) and P_e = (softmax probability of e, summed over the tokens and layers) / (L * n).
   Megatron-Core 0.16.1's `switch_load_balancing_loss_func` is another number: each layer adds its own
-  E / k * sum_e f_le * P_le (attached to the router's probabilities by MoEAuxLossAutoScaler, which scales its
-  gradient by the micro-batch's token count under calculate_per_token_loss), i.e. a sum over layers of per-layer
-  products where HF takes the product of layer sums (cross-layer terms, and HF's f sums to k, not 1); it counts
-  padding unless a padding mask reaches the router, which GPTModel's forward does not pass. The two agree only
-  for one layer, up to the factor k, so HF's definition is the one here, on both back ends (tests compare with
-  HF); Megatron's own aux-loss machinery stays off (moe_aux_loss_coeff 0 in its TransformerConfig).
+  E / k * sum_e f_le * P_le, a sum over layers of per-layer products where HF takes the product of layer sums
+  (cross-layer terms; HF's f sums to k, not 1), and it counts padding unless GPTModel's forward is given a
+  padding_mask. They agree only for one layer, up to the factor k. Its backward does not fit our normalisation
+  either: MoEAuxLossAutoScaler injects the gradient of aux * (the micro-batch's tokens) under
+  calculate_per_token_loss (which the worker sets so the schedule passes our loss contributions undivided),
+  expecting finalize_model_grads to divide every gradient by the global token count, which our loss functions
+  do themselves (global counts passed in) and which the worker never calls: the aux gradient would come out
+  N times too large. So HF's definition is the one here, on both back ends (tests compare with HF), added to the
+  loss contribution in the worker; Megatron's own aux-loss machinery stays off (coefficient 0, type none).
 - Router z-loss (`moe_z_loss_coeff`, ST-MoE; HF's Qwen3-MoE has none): Megatron's `z_loss_func`, the mean over
   the real tokens of logsumexp(logits)^2, summed over the layers.
 - A step's value of either loss is the token-weighted mean over its micro-batches on all data-parallel ranks,
