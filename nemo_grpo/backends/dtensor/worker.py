@@ -43,9 +43,9 @@ def _tied_aliases(model: torch.nn.Module) -> frozenset:
 
 
 def _record_router_logits(model: torch.nn.Module, recorder: RouterLogits) -> None:
-    """A forward hook on every MoE router (HF's `mlp.gate`, e.g. Qwen3MoeTopKRouter, whose output starts with
-    the logits [N, E] of the layer's flattened [b, s] positions) hands the logits to `recorder`."""
-    routers = [m for n, m in model.named_modules() if n.endswith(".mlp.gate") and type(m).__name__.endswith("Router")]
+    """A forward hook on every MoE router (par.moe_routers: logits [N, E] of the layer's flattened [b, s]
+    positions) hands the logits to `recorder`."""
+    routers = par.moe_routers(model)
     if not routers:
         raise RuntimeError(f"{type(model).__name__}: no MoE router (mlp.gate) to record the routing of")
     for router in routers:
