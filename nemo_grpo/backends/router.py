@@ -82,25 +82,32 @@ def _assignments(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- in a worker
 class RouterLogits:
-    """Collects the router logits a training forward produces, one [N, E] tensor per MoE layer in layer order;
-    a back end calls `record` from its router (a forward hook, or a wrapped gating function)."""
+    """Collects the router logits of one training forward, one [N, E] tensor per MoE layer in layer order,
+    between `start()` (the worker, right before the forward) and `take()`; a back end calls `record` from its
+    routers (a forward hook, or a wrapped gating function). Not in eval mode (get_logprobs, score), nor after
+    `take` (a backward that recomputes the forward for activation checkpointing routes again)."""
 
     def __init__(self):
         self.logits: list[torch.Tensor] = []
+        self.armed = False
+
+    def start(self) -> None:
+        self.logits, self.armed = [], True
 
     def record(self, module: torch.nn.Module, logits: torch.Tensor) -> None:
-        if module.training:  # not in get_logprobs / score
+        if self.armed and module.training:
             self.logits.append(logits)
 
     def take(self) -> list[torch.Tensor]:
-        out, self.logits = self.logits, []
+        out, self.logits, self.armed = self.logits, [], False
         return out
 
 
 class RouterLosses:
-    """One rank's router terms of a training step: `start_step(N)`, then per micro-batch `add(real, metrics)`
-    right after its forward (the loss term to add; "moe/aux_loss", "moe/z_loss" contributions into metrics),
-    then `step_metrics(group)` (collective over the data-parallel group: "moe/load_imbalance")."""
+    """One rank's router terms of a training step: `start_step(N)`, then per micro-batch `recorder.start()`
+    right before its forward and `add(real, metrics)` right after (the loss term to add; "moe/aux_loss",
+    "moe/z_loss" contributions into metrics), then `step_metrics(group)` (collective over the data-parallel
+    group: "moe/load_imbalance")."""
 
     def __init__(self, cfg, top_k: int):
         """cfg: policy.megatron_cfg or policy.dtensor_cfg (config.RouterLossConfig)."""
@@ -114,7 +121,6 @@ class RouterLosses:
     def start_step(self, step_tokens: float) -> None:
         """step_tokens: the real tokens of the step's global batch (all micro-batches and DP ranks)."""
         self.step_tokens, self.counts = float(step_tokens), None
-        self.recorder.take()
 
     def add(self, real: torch.Tensor, metrics: dict) -> torch.Tensor:
         """real [r, t]: the real-token mask of the positions the forward saw; -> coeff-weighted loss term."""

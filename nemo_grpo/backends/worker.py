@@ -400,5 +400,7 @@ class PolicyWorker(ABC):
             mb = self._to_device(mb)
             self._set_gradient_sync(i == len(micro_batches) - 1)
             inputs = self._model_inputs(mb)
+            if self.router is not None:
+                self.router.recorder.start()
             self._train_loss(loss_fn, self._train_output(mb, inputs), mb, inputs, gvs, gvt, totals).backward()
         return totals

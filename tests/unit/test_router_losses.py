@@ -69,12 +69,13 @@ def test_micro_batches_weigh_by_their_real_tokens():
     cfg = PolicyConfig(backend="megatron").megatron_cfg
     cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff = "aux_loss", 0.1, 0.01
     router = RouterLosses(cfg, K)
-    router.recorder.record(torch.nn.Linear(1, 1), torch.zeros(1, E))  # stale: dropped by start_step
     parts, masks = zip(*(_routing(layers=2, seed=s) for s in (1, 2)))
     total = sum(int(m.sum()) for m in masks)
     router.start_step(total)
     module, expected, summed = torch.nn.Linear(1, 1), 0.0, 0.0
     for logits, mask in zip(parts, masks):
+        router.recorder.record(module, torch.zeros(21, E))  # before start: not this forward's (a recompute)
+        router.recorder.start()
         for x in logits:
             router.recorder.record(module, x)
         metrics = {}

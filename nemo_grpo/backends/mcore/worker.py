@@ -201,6 +201,8 @@ class MegatronPolicyWorker(PolicyWorker):
             own_positions = inputs.packed or inputs.context is not None
             pos = inputs.position_ids if own_positions else torch.arange(ids.shape[1], device=ids.device)[None]
             mask = ~inputs.attention_mask if inputs.attention_mask is not None and inputs.packed else None
+            if self.router is not None:
+                self.router.recorder.start()
             with self.rope_positions.use(inputs.position_ids if own_positions else None):
                 output = model(ids, pos.expand_as(ids), attention_mask=mask,
                                packed_seq_params=_attention_params(inputs))
