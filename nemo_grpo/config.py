@@ -34,7 +34,18 @@ class OptimizerConfig:
 
 
 @dataclass
-class DTensorConfig:
+class RouterLossConfig:
+    """The Mixture-of-Experts router's training losses (Megatron's / NeMo RL's keys), the same fields in
+    policy.megatron_cfg and policy.dtensor_cfg; both back ends compute them with backends/router.py (HF's
+    load-balancing loss over the non-padding tokens). Ignored for a dense model."""
+    # none | aux_loss (HF's / Switch Transformer's load-balancing loss; Megatron's seq_aux_loss is not built)
+    moe_router_load_balancing_type: str = "none"
+    moe_aux_loss_coeff: float = 0.0  # the load-balancing loss's weight in the training loss (>= 0)
+    moe_z_loss_coeff: Optional[float] = None  # the router z-loss's weight (ST-MoE); null or 0: off
+
+
+@dataclass
+class DTensorConfig(RouterLossConfig):
     tensor_parallel_size: int = 1
     # data-parallel (FSDP2) degree; null = world size / tensor_parallel_size
     data_parallel_size: Optional[int] = None
@@ -52,7 +63,7 @@ class DistributedDataParallelConfig:
 
 
 @dataclass
-class MegatronConfig:
+class MegatronConfig(RouterLossConfig):
     """policy.megatron_cfg: the Megatron-Core back end's layout (world size = tp x cp x pp x dp)."""
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1  # must divide the model's num_hidden_layers
@@ -180,6 +191,11 @@ class PolicyConfig:
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
     sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+
+    @property
+    def router_losses(self) -> RouterLossConfig:
+        """The router-loss keys of the configured back end's section (megatron_cfg or dtensor_cfg)."""
+        return self.megatron_cfg if self.backend == "megatron" else self.dtensor_cfg
 
 
 # ----------------------------------------------------------------------------------------------- loss / grpo

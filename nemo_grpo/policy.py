@@ -34,7 +34,8 @@ from nemo_grpo.layout import policy_layout
 log = logging.getLogger(__name__)
 TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
 # metrics every rank computes alike (rank 0's are taken): averaged over a call's optimizer steps, or summed
-RANK0_MEAN, RANK0_SUM = ("grad_norm", "lr", "micro_batches"), ("skipped_steps",)
+# the step's global values every rank has: rank 0's (the MoE load imbalance only for a Mixture-of-Experts model)
+RANK0_MEAN, RANK0_SUM = ("grad_norm", "lr", "micro_batches", "moe/load_imbalance"), ("skipped_steps",)
 
 
 def _check_keys(batch: dict[str, Any], keys, what: str) -> None:
@@ -190,7 +191,8 @@ class Policy:
         micro_batch, global_valid_seqs, global_valid_toks) -> (loss, metrics), the normalizers counted over each
         global batch. Returns the loss-fn metrics (and "loss") summed over micro-batches and DP ranks, averaged
         over the optimizer steps, plus "grad_norm" (pre-clip), "lr" and "skipped_steps" (steps skipped for a
-        non-finite gradient norm).
+        non-finite gradient norm); a Mixture-of-Experts model adds "moe/aux_loss" (and "moe/z_loss" with its
+        coefficient) and "moe/load_imbalance" (backends/router.py).
         """
         rows = batch if isinstance(batch, ShippedRows) else None
         columns = dict(columns or {})
@@ -213,16 +215,19 @@ class Policy:
 
     def _train_steps(self, batch: dict[str, Any], lengths: list[list[int]]) -> list[list[dict[str, Any]]]:
         """Per DP rank, one entry per global batch: its rows' range within the rank's shard, the global batch's
-        normalizers (valid samples, valid tokens) and, with packing or dynamic batching, its micro-batches."""
+        normalizers (valid samples, valid tokens; its real tokens) and, with packing or dynamic batching, its
+        micro-batches."""
         n, gbs, dp = batch_size_of(batch), self.cfg.train_global_batch_size, self.dp_size
         k = gbs // dp
         per_dp: list[list[dict]] = [[] for _ in range(dp)]
         for g, start in enumerate(range(0, n, gbs)):
             sample_mask = batch["sample_mask"][start:start + gbs]
             gvs, gvt = sample_mask.float().sum(), loss_mask(batch["token_mask"][start:start + gbs], sample_mask).sum()
+            tokens = batch["input_lengths"][start:start + gbs].clamp(min=1).sum()  # real tokens, for MoE router terms
             plan = self._micro_batch_plan([rows[g * k:(g + 1) * k] for rows in lengths], "train")
             for d in range(dp):
-                step = {"rows": (g * k, (g + 1) * k), "global_valid_seqs": gvs, "global_valid_toks": gvt}
+                step = {"rows": (g * k, (g + 1) * k), "global_valid_seqs": gvs, "global_valid_toks": gvt,
+                        "global_input_toks": tokens}
                 per_dp[d].append(step if plan is None else {**step, "micro_batches": plan[d]})
         return per_dp
 
@@ -238,7 +243,8 @@ class Policy:
                     if k not in RANK0_MEAN + RANK0_SUM:
                         out[k] = out.get(k, 0.0) + v / steps
             for k in RANK0_MEAN + RANK0_SUM:
-                out[k] = out.get(k, 0.0) + rank0[step][k] / (steps if k in RANK0_MEAN else 1)
+                if k in rank0[step]:
+                    out[k] = out.get(k, 0.0) + rank0[step][k] / (steps if k in RANK0_MEAN else 1)
         return out
 
     # ------------------------------------------------------------------------------------------ weights

@@ -24,6 +24,7 @@ from nemo_grpo.algorithms.advantages import ESTIMATORS
 from nemo_grpo.algorithms.losses import LOSSES, check_loss_config
 from nemo_grpo.backends import BACKENDS
 from nemo_grpo.backends.batching import PACKING_ALGORITHMS
+from nemo_grpo.backends.router import validate_router_losses
 from nemo_grpo.config import (BUILTIN_MODEL_PREFIX, DatasetConfig, EnvConfig, EvalMasterConfig, MasterConfig,
                               PolicyConfig, RewardModelEnvConfig, RMEvalConfig, RMTrainConfig, read_config)
 from nemo_grpo.distributed.resource_plan import plan_resources
@@ -143,6 +144,7 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy", scalar
     _validate_dynamic_batching(p, prefix)
     _validate_sequence_packing(p, prefix)
     validate_lora(p.lora, scalar_head, prefix)
+    validate_router_losses(p, prefix)
     _validate_context_parallel(p, prefix, width or (f"{prefix}.max_total_sequence_length",
                                                     p.max_total_sequence_length))
     if p.backend == "megatron":

@@ -32,6 +32,7 @@ from nemo_grpo.backends.batching import batch_size_of, fixed_size_groups, slice_
 from nemo_grpo.backends.context_parallel import context_group
 from nemo_grpo.backends.model_inputs import ModelInputs, model_inputs, split_context
 from nemo_grpo.backends.optimizer import build_optimizer, clip_coefficient, lr_warmup_factor
+from nemo_grpo.backends.router import RouterLosses
 from nemo_grpo.distributed.spare_workers import RestartableWorker
 from nemo_grpo.distributed.worker_group import init_torch_distributed
 from nemo_grpo.layout import ParallelLayout, policy_layout
@@ -72,6 +73,7 @@ class PolicyWorker(RestartableWorker, ABC):
     """
 
     tied_aliases: frozenset = frozenset()  # state_dict names aliasing an earlier one (HF drops them when saving)
+    router: Optional[RouterLosses] = None  # a Mixture-of-Experts model's router terms (set by _build_model)
 
     def __init__(self, cfg, model_path: str, *, scalar_head: bool = False, init_reference: bool = False,
                  seed: int = 0):
@@ -187,6 +189,11 @@ class PolicyWorker(RestartableWorker, ABC):
     def _finish_gradients(self) -> None:
         """Hook after the last backward of a step (e.g. reduce gradients a parallelism leaves partial)."""
 
+    def _data_parallel_group(self):
+        """The process group of the ranks that take different rows (x context-parallel ranks), for the router
+        statistics; None: one rank."""
+        return None
+
     def _set_gradient_sync(self, enabled: bool) -> None:
         """Before a micro-batch's backward: False lets the back end defer its data-parallel gradient reduction
         (the last micro-batch of a step always has it True)."""
@@ -273,10 +280,23 @@ class PolicyWorker(RestartableWorker, ABC):
         """Micro-batch on device -> scalar-head scores [b] in fp32."""
         return self._scores(self._model_inputs(mb)).float()
 
-    def _train_output(self, mb: dict[str, Any]) -> torch.Tensor:
-        """Micro-batch on device -> what the loss takes: log-probs [b, T] of a causal LM, or the scalar head's
-        scores [b] (reward-model training)."""
-        return self._forward_scores(mb) if self.scalar_head else self._forward_logprobs(mb)
+    def _train_output(self, mb: dict[str, Any], inputs: ModelInputs) -> torch.Tensor:
+        """Micro-batch on device and its model inputs -> what the loss takes: log-probs [b, T] of a causal LM,
+        or the scalar head's scores [b] (reward-model training)."""
+        if self.scalar_head:
+            return self._scores(inputs).float()
+        return inputs.to_rows(self._logprobs(inputs), mb["input_ids"].shape[1])
+
+    def _train_loss(self, loss_fn, output: torch.Tensor, mb: dict[str, Any], inputs: ModelInputs,
+                    gvs: torch.Tensor, gvt: torch.Tensor, totals: dict[str, float]) -> torch.Tensor:
+        """A micro-batch's loss contribution to backpropagate: loss_fn's, plus a Mixture-of-Experts model's
+        router terms (backends/router.py) over the positions the forward saw; its metrics added to totals."""
+        loss, metrics = loss_and_metrics(loss_fn, output, mb, gvs, gvt)
+        if self.router is not None:
+            real = inputs.token_mask if inputs.context is None else inputs.context.take(inputs.token_mask)
+            loss = loss + self.router.add(real, metrics)
+        accumulate(totals, metrics)
+        return loss
 
     @torch.no_grad()
     def _chunked(self, data: dict[str, Any], fn, micro_batches: Optional[list[list[int]]] = None
@@ -336,19 +356,26 @@ class PolicyWorker(RestartableWorker, ABC):
         "micro_batches": row groups of those, with dynamic batching or packing).
 
         Returns per step: the loss-fn metrics (and "loss") summed over this rank's micro-batches, plus
-        "grad_norm" (global, pre-clip) and "lr" (the rate the step used).
+        "grad_norm" (global, pre-clip) and "lr" (the rate the step used); a Mixture-of-Experts model adds
+        "moe/aux_loss" (summed like the loss) and "moe/load_imbalance" (global) (backends/router.py).
         """
         self.model.train()
         data = {**rows, **columns}
         return [self._train_step(slice_batch(data, *s["rows"]), loss_fn, s["global_valid_seqs"],
-                                 s["global_valid_toks"], s.get("micro_batches")) for s in steps]
+                                 s["global_valid_toks"], s.get("micro_batches"), s.get("global_input_toks"))
+                for s in steps]
 
     def _train_step(self, data: dict[str, Any], loss_fn, global_valid_seqs, global_valid_toks,
-                    groups: Optional[list[list[int]]] = None) -> dict[str, float]:
+                    groups: Optional[list[list[int]]] = None, global_input_toks=None) -> dict[str, float]:
         """zero_grad -> forward/backward over micro-batches (policy.train_micro_batch_size rows, or the row
         groups of dynamic batching) -> finish grads -> clip -> step; written once. A non-finite gradient norm
-        skips the optimizer and scheduler step ("skipped_steps": 1)."""
+        skips the optimizer and scheduler step ("skipped_steps": 1). global_input_toks: the global batch's real
+        tokens (prompts and responses), by which a Mixture-of-Experts model's router terms are weighted
+        (default: this rank's)."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.router is not None:
+            own = data["input_lengths"].clamp(min=1).sum()
+            self.router.start_step(global_input_toks if global_input_toks is not None else own)
         gvs = torch.as_tensor(global_valid_seqs, dtype=torch.float32, device=self.device)
         gvt = torch.as_tensor(global_valid_toks, dtype=torch.float32, device=self.device)
         groups = groups or fixed_size_groups(batch_size_of(data), self.cfg.train_micro_batch_size)
@@ -366,6 +393,8 @@ class PolicyWorker(RestartableWorker, ABC):
             self._after_optimizer_step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.router is not None:
+            totals.update(self.router.step_metrics(self._data_parallel_group()))
         return {**totals, "grad_norm": grad_norm, "lr": lr, "skipped_steps": float(coef is None),
                 "micro_batches": float(len(micro_batches))}
 
@@ -373,12 +402,13 @@ class PolicyWorker(RestartableWorker, ABC):
                           gvt: torch.Tensor) -> dict[str, float]:
         """Forward + backward of every micro-batch (CPU rows, sliced from this rank's data); returns the loss-fn
         metrics (and "loss") summed over them. A back end whose forward is a pipeline schedule overrides this
-        loop and calls `loss_and_metrics` from its schedule's loss closure."""
+        loop and calls `_train_loss` from its schedule's loss closure."""
         totals: dict[str, float] = {}
         for i, mb in enumerate(micro_batches):
             mb = self._to_device(mb)
             self._set_gradient_sync(i == len(micro_batches) - 1)
-            loss, metrics = loss_and_metrics(loss_fn, self._train_output(mb), mb, gvs, gvt)
-            loss.backward()
-            accumulate(totals, metrics)
+            inputs = self._model_inputs(mb)
+            if self.router is not None:
+                self.router.recorder.start()
+            self._train_loss(loss_fn, self._train_output(mb, inputs), mb, inputs, gvs, gvt, totals).backward()
         return totals

@@ -9,6 +9,7 @@ import pytest
 import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 from weight_io import export_weights
 
 from nemo_grpo.backends import varlen
@@ -72,8 +73,37 @@ def reference_train(path: str, state: dict, batch: dict, cfg: PolicyConfig):
     return train_reference_model(load_hf(path, state), batch, cfg)
 
 
+def hf_router_terms(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A Mixture-of-Experts HF model's router terms on `batch`, one row per micro-batch (the tests'
+    train_micro_batch_size 1), from its output_router_logits: (aux, z, imbalance). aux: the rows' HF
+    load_balancing_loss_func (with the row's attention mask) weighted by the row's share of the real tokens; z:
+    the same weighting of, per layer, the mean over the row's real tokens of logsumexp(logits)^2, summed over
+    layers; imbalance: top-k assignments per expert over all real tokens, max / mean per layer, the worst."""
+    ids, lengths = batch["input_ids"], batch["input_lengths"].clamp(min=1)
+    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()  # [B, T]
+    experts, k = model.config.num_experts, model.config.num_experts_per_tok
+    logits = [x.view(*ids.shape, experts) for x in model(input_ids=ids, attention_mask=mask,
+                                                         output_router_logits=True).router_logits]  # [B, T, E]
+    share = mask.sum(1).float() / mask.sum()  # [B]
+    aux = sum(share[r] * load_balancing_loss_func(tuple(x[r] for x in logits), experts, k, mask[r:r + 1])
+              for r in range(ids.shape[0]))
+    z = sum(share[r] * sum(torch.logsumexp(x[r][mask[r].bool()], -1).square().mean() for x in logits)
+            for r in range(ids.shape[0]))
+    counts = [torch.bincount(torch.topk(x[mask.bool()], k).indices.flatten(), minlength=experts).float()
+              for x in logits]
+    return aux, z, max(float(c.max() / c.mean()) for c in counts)
+
+
+def _router_coefficients(cfg: PolicyConfig) -> tuple[float, float]:
+    r = cfg.router_losses
+    return (r.moe_aux_loss_coeff if r.moe_router_load_balancing_type == "aux_loss" else 0.0), r.moe_z_loss_coeff or 0.0
+
+
 def train_reference_model(model, batch: dict, cfg: PolicyConfig):
-    """reference_train on a given single-process model (its trainable parameters): (state, losses, norms, lrs)."""
+    """reference_train on a given single-process model (its trainable parameters): (state, losses, norms, lrs).
+    A Mixture-of-Experts config's router losses join the loss (hf_router_terms x their coefficients)."""
+    aux_coeff, z_coeff = _router_coefficients(cfg)
+    assert cfg.train_micro_batch_size == 1 or not (aux_coeff or z_coeff)  # hf_router_terms: a row per micro-batch
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optimizer
@@ -87,7 +117,11 @@ def train_reference_model(model, batch: dict, cfg: PolicyConfig):
         mask = gb["token_mask"] * gb["sample_mask"][:, None]
         opt.zero_grad()
         loss = -(hf_logprobs(model, gb) * gb["advantages"] * mask).sum() / mask.sum()
-        loss.backward()
+        if aux_coeff or z_coeff:
+            aux, z, _ = hf_router_terms(model, gb)
+            (loss + aux_coeff * aux + z_coeff * z).backward()
+        else:
+            loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
         losses.append(float(loss.detach()))
         lrs.append(opt.param_groups[0]["lr"])
@@ -149,7 +183,21 @@ def check_train_parity(policy: Policy, path: str, batch: dict) -> dict:
     assert max_diff(got, start) > 1e-3  # the step moved the weights
     assert max_diff(got, ref_state) <= 1e-4
     assert_step_metrics(metrics, losses, norms, lrs, batch, policy.cfg)
+    if "moe/aux_loss" in metrics:
+        assert_router_metrics(metrics, load_hf(path, start), batch, policy.cfg)
     return metrics
+
+
+def assert_router_metrics(metrics: dict, model, batch: dict, cfg: PolicyConfig) -> None:
+    """A Mixture-of-Experts policy's one-step router metrics are hf_router_terms' of the start weights: the
+    aux loss (and z-loss) within 1e-5, the load imbalance (a count) to float rounding."""
+    assert batch["input_ids"].shape[0] == cfg.train_global_batch_size  # one step: its metrics are the start's
+    with torch.no_grad():
+        aux, z, imbalance = hf_router_terms(model, batch)
+    assert abs(metrics["moe/aux_loss"] - float(aux)) <= 1e-5, (metrics["moe/aux_loss"], float(aux))
+    assert ("moe/z_loss" in metrics) == bool(cfg.router_losses.moe_z_loss_coeff)
+    assert abs(metrics.get("moe/z_loss", float(z)) - float(z)) <= 1e-5
+    assert metrics["moe/load_imbalance"] == pytest.approx(imbalance, rel=1e-6)
 
 
 def assert_step_metrics(metrics: dict, losses: list, norms: list, lrs: list, batch: dict, cfg: PolicyConfig) -> None:

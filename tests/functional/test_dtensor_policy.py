@@ -144,9 +144,12 @@ def test_qwen3_moe_matches_hf(ray_cluster, tiny_model_dir, tp):
     (tp=2, the experts replicated): log-probs and one optimizer step as the single-process HF model's. One step:
     routing is discontinuous, so after a step the layouts' float differences (~1e-7) may flip a near-tied top-k
     choice and the second step's gradients part (at tp=2 the weights then differ by ~3e-4, at dp=2 they did
-    not). Replaying the recorded routing would pin that down (routing replay: not built yet)."""
+    not). Replaying the recorded routing would pin that down (routing replay: not built yet). The step's loss
+    has the router losses (HF's load-balancing loss, the z-loss), its moe/ metrics are HF's (check_train_parity)."""
     path = tiny_model_dir("qwen3_moe")
-    with Policy(policy_config(path, **{"dtensor_cfg.tensor_parallel_size": tp}), CLUSTER, path) as policy:
+    router = {"dtensor_cfg.moe_router_load_balancing_type": "aux_loss", "dtensor_cfg.moe_aux_loss_coeff": 0.1,
+              "dtensor_cfg.moe_z_loss_coeff": 0.01}
+    with Policy(policy_config(path, **{"dtensor_cfg.tensor_parallel_size": tp}, **router), CLUSTER, path) as policy:
         assert_logprobs_match_hf(policy, path, make_batch(5, seed=7))
         check_train_parity(policy, path, make_batch(4, seed=1))
 

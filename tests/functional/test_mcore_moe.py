@@ -16,14 +16,18 @@ from policy_checks import (assert_logprobs_match_hf, check_checkpoint_resumes, c
 from test_mcore_policy import FOUR, megatron_policy
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # local_experts runs in the workers
-EP2 = {"megatron_cfg.expert_model_parallel_size": 2}
+# every policy of the module trains with both router losses (backends/router.py; HF's load-balancing loss)
+ROUTER = {"megatron_cfg.moe_router_load_balancing_type": "aux_loss", "megatron_cfg.moe_aux_loss_coeff": 0.1,
+          "megatron_cfg.moe_z_loss_coeff": 0.01}
+EP2 = {"megatron_cfg.expert_model_parallel_size": 2, **ROUTER}
 
 
-@pytest.mark.parametrize("layout,extra", [("tp1", {}), ("dp2", {}), ("dp2", EP2)], ids=["tp1", "dp2", "ep2"])
+@pytest.mark.parametrize("layout,extra", [("tp1", ROUTER), ("dp2", ROUTER), ("dp2", EP2)], ids=["tp1", "dp2", "ep2"])
 def test_moe_matches_hf(policy_pool, tiny_model_dir, layout, extra):
     """The export is the checkpoint bit for bit (the experts gathered from their EP ranks into HF's fused
     tensors), log-probs within 1e-5 of HF's, and one step's weights within 1e-4 of a single-process HF step with
-    the same pre-clip norm (each expert's gradient counted once)."""
+    the same pre-clip norm (each expert's gradient counted once), whose loss has the router losses (HF's
+    load-balancing loss, the z-loss); the step's moe/aux_loss, moe/z_loss and moe/load_imbalance are HF's."""
     path = tiny_model_dir("qwen3_moe")
     with megatron_policy(policy_pool, path, layout, **extra) as policy:
         ep = extra.get("megatron_cfg.expert_model_parallel_size", 1)
@@ -43,8 +47,8 @@ def test_ep2_checkpoint_resumes_in_one_process(policy_pool, tiny_model_dir, tmp_
     process with every expert and takes the same next step."""
     path = tiny_model_dir("qwen3_moe")
     with megatron_policy(policy_pool, path, "dp2", **EP2) as policy:
-        check_checkpoint_resumes(policy, lambda: megatron_policy(policy_pool, path, "tp1"), make_batch(4, seed=3),
-                                 str(tmp_path / "ckpt"))
+        check_checkpoint_resumes(policy, lambda: megatron_policy(policy_pool, path, "tp1", **ROUTER),
+                                 make_batch(4, seed=3), str(tmp_path / "ckpt"))
 
 
 def test_ep2_dp4_sums_expert_gradients_over_expert_data_parallel(policy_pool, tiny_model_dir):

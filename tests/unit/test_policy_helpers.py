@@ -134,6 +134,16 @@ def test_aggregate_sums_over_dp_and_averages_steps():
                                  "micro_batches": 1.5})
 
 
+def test_aggregate_sums_the_aux_loss_and_takes_rank0s_load_imbalance():
+    """A Mixture-of-Experts step: moe/aux_loss is a per-rank contribution (summed over DP), moe/load_imbalance
+    the global value every rank has (rank 0's, averaged over steps)."""
+    base = {"grad_norm": 1.0, "lr": 0.1, "skipped_steps": 0.0, "micro_batches": 1.0}
+    per_dp = [[{"moe/aux_loss": 1.0, "moe/load_imbalance": 2.0, **base}],
+              [{"moe/aux_loss": 0.5, "moe/load_imbalance": 2.0, **base}]]
+    out = Policy._aggregate(per_dp, per_dp[0])
+    assert out["moe/aux_loss"] == pytest.approx(1.5) and out["moe/load_imbalance"] == pytest.approx(2.0)
+
+
 def test_bad_layout_fails_before_anything_starts():
     cfg = PolicyConfig()
     cfg.dtensor_cfg.tensor_parallel_size = 3

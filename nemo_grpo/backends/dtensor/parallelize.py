@@ -13,6 +13,8 @@ gradients (backends/context_parallel.py).
 - LoRA (peft's layers, dtensor/lora.py): the base weight is split as above; a column-parallel layer's B is
   split on its outputs too (A replicated), a row-parallel layer's A on its inputs (B replicated), so the
   adapter's output matches the base output's local piece.
+- Mixture-of-Experts (Qwen3-MoE): the experts and the router stay replicated over tp; under bf16 the router
+  is an FSDP unit of its own in fp32 (its input cast up), so routing is computed in fp32 as on Megatron.
 - Qwen3's q_norm / k_norm (per-head RMSNorm weights, replicated over tp) see only the local heads under TP:
   their gradients are partial sums and are all-reduced over the tp group after backward.
 """
@@ -50,6 +52,12 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The Mixture-of-Experts routers of an HF model (`mlp.gate`, e.g. Qwen3MoeTopKRouter: its output starts with
+    the logits [N, E] of the layer's flattened positions); [] for a dense model."""
+    return [m for n, m in model.named_modules() if n.endswith(".mlp.gate") and type(m).__name__.endswith("Router")]
+
+
 def tp_plan(model: nn.Module) -> dict:
     """module name -> ParallelStyle for the projections of every decoder layer."""
     plan = {}
@@ -82,6 +90,10 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: Optional[torc
     parameters (reference swaps, checkpoint loads) are always seen by the next forward.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if param_dtype is not None:  # MoE routers compute in fp32 (their inputs cast up), as Megatron's router dtype
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for router in moe_routers(model):
+            fully_shard(router, mesh=dp_mesh, mp_policy=fp32, reshard_after_forward=True)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)

@@ -26,6 +26,7 @@ from nemo_grpo.backends.dtensor import lora as peft_lora
 from nemo_grpo.backends.dtensor import parallelize as par
 from nemo_grpo.backends.dtensor.attention import VARLEN, varlen_kwargs
 from nemo_grpo.backends.model_inputs import ModelInputs
+from nemo_grpo.backends.router import RouterLogits, RouterLosses
 from nemo_grpo.backends.worker import PolicyWorker
 from nemo_grpo.models import lora
 from nemo_grpo.weights.transfer import TensorSpec
@@ -39,6 +40,16 @@ def _tied_aliases(model: torch.nn.Module) -> frozenset:
             aliases.add(name)
         seen.add(id(p))
     return frozenset(aliases)
+
+
+def _record_router_logits(model: torch.nn.Module, recorder: RouterLogits) -> None:
+    """A forward hook on every MoE router (par.moe_routers: logits [N, E] of the layer's flattened [b, s]
+    positions) hands the logits to `recorder`."""
+    routers = par.moe_routers(model)
+    if not routers:
+        raise RuntimeError(f"{type(model).__name__}: no MoE router (mlp.gate) to record the routing of")
+    for router in routers:
+        router.register_forward_hook(lambda m, args, out: recorder.record(m, par.full_tensor(out[0])))
 
 
 class DTensorPolicyWorker(PolicyWorker):
@@ -73,6 +84,9 @@ class DTensorPolicyWorker(PolicyWorker):
         par.apply_fsdp(model, self.mesh["dp"], torch.bfloat16 if cfg.precision == "bfloat16" else None)
         self.model = model
         self._partial_grad_params = par.local_head_params(model) if tp > 1 else []
+        if getattr(model.config, "num_experts_per_tok", None):
+            self.router = RouterLosses(cfg.dtensor_cfg, model.config.num_experts_per_tok)
+            _record_router_logits(model, self.router.recorder)
 
     # ------------------------------------------------------------------------------------------ forward
     def _forward(self, inputs: ModelInputs):
@@ -111,6 +125,9 @@ class DTensorPolicyWorker(PolicyWorker):
     def _set_gradient_sync(self, enabled: bool) -> None:
         """Defer FSDP's reduce-scatter to the last micro-batch of a step (grads accumulate unsharded before)."""
         self.model.set_requires_gradient_sync(enabled)
+
+    def _data_parallel_group(self):
+        return self.mesh["dp"].get_group()
 
     def _finish_gradients(self) -> None:
         if self._partial_grad_params:

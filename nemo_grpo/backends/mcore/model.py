@@ -18,6 +18,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                       get_gpt_layer_with_transformer_engine_spec)
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors import safe_open
 from torch import nn
@@ -68,9 +69,10 @@ def transformer_config(spec: ModelSpec, mcfg, dtype: torch.dtype):
 def _moe_config(spec: ModelSpec, mcfg) -> dict:
     """TransformerConfig's MoE fields ({} for a dense model), routing as HF Qwen3-MoE: softmax over all experts,
     the top k, renormalised when norm_topk_prob: Megatron's softmax over the top-k logits (moe_router_pre_softmax
-    False) is that function; without norm_topk_prob, pre_softmax (softmax over all, then the top k). No
-    load-balancing loss for now (moe_aux_loss_coeff 0, "none"): HF's training forward adds none either
-    (output_router_logits off). The router runs in fp32. Token dispatch "alltoall" (gloo's all_to_all)."""
+    False) is that function; without norm_topk_prob, pre_softmax (softmax over all, then the top k). Megatron's
+    own load-balancing and z-losses stay off ("none", coefficients 0 / None): policy.megatron_cfg's router-loss
+    keys are computed by backends/router.py with HF's definition (its docstring says why), from the logits
+    record_router_logits captures. The router runs in fp32. Token dispatch "alltoall" (gloo's all_to_all)."""
     if not spec.experts:
         return {}
     return dict(num_moe_experts=spec.experts, moe_router_topk=spec.experts_per_token,
@@ -79,6 +81,22 @@ def _moe_config(spec: ModelSpec, mcfg) -> dict:
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
                 moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
                 expert_model_parallel_size=mcfg.expert_model_parallel_size)
+
+
+def record_router_logits(model: nn.Module, recorder) -> None:
+    """Every TopKRouter's gating (its fp32 logits [s, b, E]) also hands the logits, row by row as [b * s, E],
+    to `recorder` (backends/router.RouterLogits); the router's own routing reads them unchanged."""
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+    def wrap(router, gating):
+        def recorded(hidden):
+            logits = gating(hidden)  # [s, b, E]
+            recorder.record(router, logits.transpose(0, 1).reshape(-1, logits.shape[-1]))
+            return logits
+        return recorded
+
+    for router in routers:
+        router.gating = wrap(router, router.gating)
 
 
 def _softmax_scale(spec: ModelSpec):

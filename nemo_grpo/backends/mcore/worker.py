@@ -13,7 +13,9 @@ Only what differs from `PolicyWorker` is here:
 - Mixture-of-Experts (Qwen3-MoE, at tp = pp = 1): Megatron's MoELayer (TopKRouter, SequentialMLP experts,
   alltoall token dispatch); expert_model_parallel_size splits each layer's experts over ep of the DP ranks
   (each loads its own from the checkpoint); expert gradients are summed over the expert-data-parallel group,
-  counted once per expert in the norm, and all-gathered over the expert-parallel group for export;
+  counted once per expert in the norm, and all-gathered over the expert-parallel group for export; the
+  router's load-balancing / z-loss and routing metrics are backends/router.py's (HF's definition), from the
+  router logits model.record_router_logits captures, not Megatron's own aux-loss machinery;
 - export: TP shards all-gathered on the owning stage, mapped to full HF tensors, sent to rank 0;
 - checkpoints: torch.distributed.checkpoint of HF-named full tensors (weights and optimizer moments), so a
   checkpoint loads at any TP / PP / DP layout;
@@ -47,7 +49,8 @@ from nemo_grpo.backends.mcore.attention import context_params, segment_params
 from nemo_grpo.backends.mcore.distopt import MegatronDistributedOptimizer, ShardedState
 from nemo_grpo.backends.mcore.lora import MegatronLora, parameters_by_name
 from nemo_grpo.backends.model_inputs import ModelInputs, natural_width
-from nemo_grpo.backends.worker import PolicyWorker, accumulate, loss_and_metrics
+from nemo_grpo.backends.router import RouterLosses
+from nemo_grpo.backends.worker import PolicyWorker
 from nemo_grpo.models.spec import CAUSAL_LM, SEQ_CLS, model_spec
 from nemo_grpo.weights.transfer import TensorSpec
 
@@ -96,6 +99,9 @@ class MegatronPolicyWorker(PolicyWorker):
                                          self.pp_rank, self.seed)
             local.update(self.adapters.initial)
         self.model = model
+        if self.spec.experts:
+            self.router = RouterLosses(m, self.spec.experts_per_token)
+            mmodel.record_router_logits(model, self.router.recorder)
         self.rope_positions = mmodel.RotaryPositions(model)
         self.params = parameters_by_name(model)
         self.dist_opt = None  # MegatronDistributedOptimizer with use_distributed_optimizer (_make_optimizer)
@@ -200,6 +206,8 @@ class MegatronPolicyWorker(PolicyWorker):
             own_positions = inputs.packed or inputs.context is not None
             pos = inputs.position_ids if own_positions else torch.arange(ids.shape[1], device=ids.device)[None]
             mask = ~inputs.attention_mask if inputs.attention_mask is not None and inputs.packed else None
+            if self.router is not None:
+                self.router.recorder.start()
             with self.rope_positions.use(inputs.position_ids if own_positions else None):
                 output = model(ids, pos.expand_as(ids), attention_mask=mask,
                                packed_seq_params=_attention_params(inputs))
@@ -269,15 +277,16 @@ class MegatronPolicyWorker(PolicyWorker):
                 output = inputs.last_tokens(out)[:, 0].float()  # [b]
             else:
                 output = inputs.to_rows(self._token_logprobs(out, inputs), mb["input_ids"].shape[1])  # [b, T]
-            loss, metrics = loss_and_metrics(loss_fn, output, mb, gvs, gvt)
-            accumulate(totals, metrics)
-            return loss
+            return self._train_loss(loss_fn, output, mb, inputs, gvs, gvt, totals)
 
         self._run_schedule([(mb, self._model_inputs(mb, width)) for mb in micro_batches], on_output,
                            forward_only=False)
         return totals
 
     # ------------------------------------------------------------------------------------------ gradients
+    def _data_parallel_group(self):
+        return ps.get_data_parallel_group()
+
     def _grads(self, names) -> list[torch.Tensor]:
         """The gradient tensors of `names` as the step reduces them: DDP's main_grad views, or the main .grad."""
         if self.dist_opt is not None:

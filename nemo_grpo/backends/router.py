@@ -1,0 +1,173 @@
+"""The Mixture-of-Experts router's training losses and routing statistics, written once for both back ends.
+
+A back end records each MoE layer's router logits during a training forward (`RouterLosses.recorder`: [N, E]
+per layer in fp32, N = the micro-batch's positions row by row) and the worker adds the router terms to the
+micro-batch's loss contribution (`RouterLosses.add`, with the positions' real-token mask [r, t]). Padding never
+counts: the real tokens are the rows' first input_lengths positions (prompt and response alike).
+
+- Load-balancing loss (`moe_router_load_balancing_type: aux_loss`): Hugging Face's definition, transformers'
+  qwen3_moe `load_balancing_loss_func` with the attention mask, over one micro-batch's n real tokens and its L
+  MoE layers: aux = E * sum_e f_e * P_e, with f_e = (top-k assignments to expert e, summed over the layers) /
+  (L * n) and P_e = (softmax probability of e, summed over the tokens and layers) / (L * n).
+  Megatron-Core 0.16.1's `switch_load_balancing_loss_func` is another number: each layer adds its own
+  E / k * sum_e f_le * P_le, a sum over layers of per-layer products where HF takes the product of layer sums
+  (cross-layer terms; HF's f sums to k, not 1), and it counts padding unless GPTModel's forward is given a
+  padding_mask. They agree only for one layer, up to the factor k. Its backward does not fit our normalisation
+  either: MoEAuxLossAutoScaler injects the gradient of aux * (the micro-batch's tokens) under
+  calculate_per_token_loss (which the worker sets so the schedule passes our loss contributions undivided),
+  expecting finalize_model_grads to divide every gradient by the global token count, which our loss functions
+  do themselves (global counts passed in) and which the worker never calls: the aux gradient would come out
+  N times too large. So HF's definition is the one here, on both back ends (tests compare with HF), added to the
+  loss contribution in the worker; Megatron's own aux-loss machinery stays off (coefficient 0, type none).
+- Router z-loss (`moe_z_loss_coeff`, ST-MoE; HF's Qwen3-MoE has none): Megatron's `z_loss_func`, the mean over
+  the real tokens of logsumexp(logits)^2, summed over the layers.
+- A step's value of either loss is the token-weighted mean over its micro-batches on all data-parallel ranks,
+  sum_mb (n_mb / N) * loss_mb (N: the step's real tokens): an additive contribution like the policy loss, so
+  the worker's sums make it, and its gradient is coeff times that value's. (HF over a whole global batch in one
+  forward pools f and P over that batch: the same number when a micro-batch is the batch.)
+- Expert load imbalance: per layer, the top-k assignments per expert over the step's real tokens (every
+  micro-batch and data-parallel rank), max / mean; the worst layer. 1.0 is a perfect balance, E / k the worst.
+Under context parallelism each rank sees a share of the positions: the counts stay exact, the losses are each
+share's (the router-loss coefficients are refused there).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from nemo_grpo.errors import require, require_choice
+
+BALANCING_TYPES = ["none", "aux_loss"]
+
+
+# ---------------------------------------------------------------------------------------------- definitions
+def load_balancing_loss(logits: list[torch.Tensor], real: torch.Tensor, top_k: int) -> torch.Tensor:
+    """HF's load-balancing loss (see the module docstring) of L layers' router logits [N, E] over the positions
+    where real [N] (bool) is True; a scalar, differentiable through the probabilities."""
+    weight = real.float()  # [N]
+    n = weight.sum().clamp(min=1.0) * len(logits)
+    assigned = sum(_assignments(x, top_k) * weight[:, None] for x in logits).sum(0)  # [E]
+    probs = sum(torch.softmax(x.float(), dim=-1) * weight[:, None] for x in logits).sum(0)  # [E]
+    return logits[0].shape[-1] * torch.sum(assigned / n * probs / n)
+
+
+def z_loss(logits: list[torch.Tensor], real: torch.Tensor) -> torch.Tensor:
+    """Megatron's router z-loss without its coefficient: per layer, the mean over the real positions of
+    logsumexp(logits [N, E])^2; summed over the layers."""
+    weight = real.float()  # [N]
+    n = weight.sum().clamp(min=1.0)
+    return sum((torch.logsumexp(x.float(), dim=-1).square() * weight).sum() / n for x in logits)
+
+
+def expert_counts(logits: list[torch.Tensor], real: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Top-k assignments per expert of the real positions, [L, E] (float)."""
+    with torch.no_grad():
+        return torch.stack([(_assignments(x, top_k) * real.float()[:, None]).sum(0) for x in logits])
+
+
+def load_imbalance(counts: torch.Tensor) -> float:
+    """counts [L, E] of assignments -> the worst layer's max / mean tokens per expert."""
+    counts = counts.float()
+    return float((counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)).max())
+
+
+def _assignments(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[N, E] logits -> [N, E] 1.0 at each position's top-k experts (ties as torch.topk breaks them)."""
+    top = torch.topk(logits.detach().float(), top_k, dim=-1).indices
+    return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, top, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- in a worker
+class RouterLogits:
+    """Collects the router logits of one training forward, one [N, E] tensor per MoE layer in layer order,
+    between `start()` (the worker, right before the forward) and `take()`; a back end calls `record` from its
+    routers (a forward hook, or a wrapped gating function). Not in eval mode (get_logprobs, score), nor after
+    `take` (a backward that recomputes the forward for activation checkpointing routes again)."""
+
+    def __init__(self):
+        self.logits: list[torch.Tensor] = []
+        self.armed = False
+
+    def start(self) -> None:
+        self.logits, self.armed = [], True
+
+    def record(self, module: torch.nn.Module, logits: torch.Tensor) -> None:
+        if self.armed and module.training:
+            self.logits.append(logits)
+
+    def take(self) -> list[torch.Tensor]:
+        out, self.logits, self.armed = self.logits, [], False
+        return out
+
+
+class RouterLosses:
+    """One rank's router terms of a training step: `start_step(N)`, then per micro-batch `recorder.start()`
+    right before its forward and `add(real, metrics)` right after (the loss term to add; "moe/aux_loss",
+    "moe/z_loss" contributions into metrics), then `step_metrics(group)` (collective over the data-parallel
+    group: "moe/load_imbalance")."""
+
+    def __init__(self, cfg, top_k: int):
+        """cfg: policy.megatron_cfg or policy.dtensor_cfg (config.RouterLossConfig)."""
+        self.top_k = top_k
+        self.aux_coeff = cfg.moe_aux_loss_coeff if cfg.moe_router_load_balancing_type == "aux_loss" else 0.0
+        self.z_coeff = cfg.moe_z_loss_coeff or 0.0
+        self.recorder = RouterLogits()
+        self.step_tokens = 1.0
+        self.counts: Optional[torch.Tensor] = None  # [L, E], this rank's so far this step
+
+    def start_step(self, step_tokens: float) -> None:
+        """step_tokens: the real tokens of the step's global batch (all micro-batches and DP ranks)."""
+        self.step_tokens, self.counts = float(step_tokens), None
+
+    def add(self, real: torch.Tensor, metrics: dict) -> torch.Tensor:
+        """real [r, t]: the real-token mask of the positions the forward saw; -> coeff-weighted loss term."""
+        logits, real = self.recorder.take(), real.reshape(-1).bool()
+        if not logits:
+            raise RuntimeError("router losses: the training forward recorded no router logits")
+        share = real.sum() / self.step_tokens
+        aux = load_balancing_loss(logits, real, self.top_k) * share
+        metrics["moe/aux_loss"] = aux.detach()
+        term = self.aux_coeff * aux
+        if self.z_coeff:
+            z = z_loss(logits, real) * share
+            metrics["moe/z_loss"] = z.detach()
+            term = term + self.z_coeff * z
+        counts = expert_counts(logits, real, self.top_k)
+        self.counts = counts if self.counts is None else self.counts + counts
+        return term
+
+    def step_metrics(self, group) -> dict[str, float]:
+        """Collective over `group` (the data-parallel ranks): the step's load imbalance."""
+        counts = self.counts
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+        return {"moe/load_imbalance": load_imbalance(counts)}
+
+
+def validate_router_losses(p, prefix: str = "policy") -> None:
+    """The router-loss keys of the back end's section (policy.megatron_cfg / dtensor_cfg): a known balancing
+    type, coefficients >= 0, a coefficient only with its loss on, and no coefficient with activation
+    checkpointing (Megatron recomputes the router without autograd) or context parallelism (each rank sees a
+    share of a micro-batch's tokens)."""
+    megatron = p.backend == "megatron"
+    cfg, key = p.router_losses, f"{prefix}.{'megatron_cfg' if megatron else 'dtensor_cfg'}."
+    kind = cfg.moe_router_load_balancing_type
+    require_choice(kind, key + "moe_router_load_balancing_type", BALANCING_TYPES)
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        value = getattr(cfg, name)
+        require(value is None and name == "moe_z_loss_coeff" or isinstance(value, (int, float)) and value >= 0,
+                key + name, f"must be a number >= 0{' or null' if name == 'moe_z_loss_coeff' else ''}, got {value}")
+    require(kind == "aux_loss" or not cfg.moe_aux_loss_coeff, key + "moe_aux_loss_coeff",
+            f"{cfg.moe_aux_loss_coeff} with moe_router_load_balancing_type '{kind}': the load-balancing loss is off; "
+            "set moe_router_load_balancing_type to aux_loss")
+    on = (kind == "aux_loss" and cfg.moe_aux_loss_coeff) or cfg.moe_z_loss_coeff
+    section = p.megatron_cfg if megatron else p.dtensor_cfg
+    require(not (on and section.activation_checkpointing), key + "activation_checkpointing",
+            "not with a router loss (moe_aux_loss_coeff / moe_z_loss_coeff > 0) yet: the recomputed router "
+            "would carry no gradient of it; set one of them off")
+    require(not (on and section.context_parallel_size > 1), key + "context_parallel_size",
+            f"{section.context_parallel_size}: not with a router loss (moe_aux_loss_coeff / moe_z_loss_coeff > 0) "
+            "yet: each rank sees a share of a micro-batch's tokens; set one of them off")
