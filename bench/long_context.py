@@ -28,20 +28,10 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
+from timing import MeanLogprobLoss, resident_bytes  # noqa: E402  (bench/timing.py)
 
 MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=1, head_dim=64, vocab_size=1000, max_position_embeddings=16384)
-class MeanLogprobLoss:
-    """-(mean log-prob of the masked tokens): any differentiable loss does for timing."""
-
-    def __call__(self, logprobs, mb, global_valid_seqs, global_valid_toks):
-        return -(logprobs * mb["token_mask"]).sum() / global_valid_toks, {}
-
-
-def _rss() -> int:
-    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
-
-
 def _profiled_split(call) -> dict:
     """CPU seconds of one call in the K/V exchange (backends/context_parallel.py's record_function ranges: the
     all-gathers and the all-reduces of their backward) and in the SDPA kernels, forward and backward; the names
@@ -71,7 +61,7 @@ def measure_on_worker(worker, length: int, repeats: int) -> dict:
     def step():
         worker._train_step(batch, MeanLogprobLoss(), 1.0, float(length))
 
-    before = _rss()
+    before = resident_bytes()
     step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     times = []

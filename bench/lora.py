@@ -19,8 +19,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import argparse  # noqa: E402
 
-from policy_layouts import MeanLogprobLoss, make_batch  # noqa: E402  (bench/policy_layouts.py)
-from timing import median_seconds  # noqa: E402  (bench/timing.py)
+from policy_layouts import make_batch  # noqa: E402  (bench/policy_layouts.py)
+from timing import MeanLogprobLoss, median_seconds  # noqa: E402  (bench/timing.py)
 
 MODELS = ["builtin:tiny-addition", "builtin:smollm2-135m-instruct"]
 

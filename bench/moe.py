@@ -38,21 +38,11 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from timing import MeanLogprobLoss, resident_bytes  # noqa: E402  (bench/timing.py)
 
 MODEL = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
              num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512, vocab_size=1000,
              max_position_embeddings=4096)
-
-
-class MeanLogprobLoss:
-    """-(mean log-prob of the masked tokens): any differentiable loss does for timing."""
-
-    def __call__(self, logprobs, mb, global_valid_seqs, global_valid_toks):
-        return -(logprobs * mb["token_mask"]).sum() / global_valid_toks, {}
-
-
-def _rss() -> int:
-    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
 
 
 def _expert_ranges(model) -> list:
@@ -138,7 +128,7 @@ def measure_on_worker(worker, rows: int, tokens: int, repeats: int) -> dict:
     def logprobs():
         worker.get_logprobs(batch)
 
-    before = _rss()
+    before = resident_bytes()
     out = {}
     for name, call in (("train", train), ("logprobs", logprobs)):
         call()

@@ -32,7 +32,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 import torch  # noqa: E402
-from timing import median_seconds  # noqa: E402  (bench/timing.py)
+from timing import MeanLogprobLoss, median_seconds  # noqa: E402  (bench/timing.py)
 
 LAYOUTS = {  # name -> (backend, world size, policy overrides)
     "megatron:tp1": ("megatron", 1, {}),
@@ -45,14 +45,6 @@ LAYOUTS = {  # name -> (backend, world size, policy overrides)
 }
 MODEL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
              num_key_value_heads=8, head_dim=64, max_position_embeddings=2048)
-
-
-class MeanLogprobLoss:
-    """-(mean log-prob of the masked tokens): any differentiable loss does for timing."""
-
-    def __call__(self, logprobs, mb, global_valid_seqs, global_valid_toks):
-        loss = -(logprobs * mb["token_mask"]).sum() / global_valid_toks
-        return loss, {}
 
 
 def make_batch(n: int, t: int, vocab: int) -> dict:
