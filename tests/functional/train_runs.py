@@ -17,29 +17,53 @@ from transformers import AutoTokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def builtin_model_cache(builtin_model_cache):
     """Every run of the importing module uses the session's built-in model cache (tests/conftest.py): the
     warm-started models are built once per session, by whichever run needs one first."""
     return builtin_model_cache
 
 
+class ModuleRun:
+    """`python -m <module> [--config X] ...` started in a fresh process (its own Ray cluster), as a user runs it;
+    logs and checkpoints under tmp_path, stdout and stderr into files there. wait() -> the finished process."""
+
+    def __init__(self, module: str, tmp_path, *overrides, config: str = None):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("RAY_ADDRESS", None)
+        self.args = [sys.executable, "-m", module, *(["--config", config] if config else []),
+                     f"checkpointing.checkpoint_dir={tmp_path}/ckpt", f"logger.log_dir={tmp_path}/logs", *overrides]
+        self.out, self.err = (open(os.path.join(tmp_path, name), "w+") for name in ("stdout.txt", "stderr.txt"))
+        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=self.out, stderr=self.err, text=True)
+
+    def wait(self, timeout: int = 1500) -> subprocess.CompletedProcess:
+        """The finished process (stdout, stderr as text); an AssertionError with their tails unless it exited 0."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+        self.out.seek(0), self.err.seek(0)
+        done = subprocess.CompletedProcess(self.args, code, self.out.read(), self.err.read())
+        assert code == 0, done.stdout[-3000:] + done.stderr[-6000:]
+        return done
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def run_module(module: str, tmp_path, *overrides, config: str = None, timeout: int = 1500):
-    """`python -m <module> [--config X] ...` in a fresh process (its own Ray cluster), as a user runs it; logs
-    and checkpoints under tmp_path. Returns the finished process (stdout, stderr as text)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("RAY_ADDRESS", None)
-    args = (["--config", config] if config else []) + [
-        f"checkpointing.checkpoint_dir={tmp_path}/ckpt", f"logger.log_dir={tmp_path}/logs", *overrides]
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, timeout=timeout,
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
+    """ModuleRun(...).wait(): the finished process (stdout, stderr as text); asserts it exited 0."""
+    return ModuleRun(module, tmp_path, *overrides, config=config).wait(timeout)
+
+
+def start_train(tmp_path, *overrides, config: str = None) -> ModuleRun:
+    return ModuleRun("nemo_grpo.train", tmp_path, "logger.progress_bar=false", *overrides, config=config)
 
 
 def run_train(tmp_path, *overrides, config: str = None, timeout: int = 1500):
-    return run_module("nemo_grpo.train", tmp_path, "logger.progress_bar=false", *overrides, config=config,
-                      timeout=timeout)
+    return start_train(tmp_path, *overrides, config=config).wait(timeout)
 
 
 def train_in_process(tmp_path, *overrides, config: str = None, measure=None, pool=None):
