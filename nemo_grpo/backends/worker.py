@@ -271,21 +271,20 @@ class PolicyWorker(RestartableWorker, ABC):
         per segment (a back end whose attention cannot go per segment says so too)."""
         return self.cfg.sequence_packing.attention == "mask"
 
-    def _forward_logprobs(self, mb: dict[str, Any]) -> torch.Tensor:
-        """Micro-batch on device -> logprobs [b, T] (grad follows the caller's mode)."""
-        inputs = self._model_inputs(mb)
+    def _forward_logprobs(self, mb: dict[str, Any], inputs: Optional[ModelInputs] = None) -> torch.Tensor:
+        """Micro-batch on device (and its model inputs, if made already) -> logprobs [b, T] (grad follows the
+        caller's mode)."""
+        inputs = self._model_inputs(mb) if inputs is None else inputs
         return inputs.to_rows(self._logprobs(inputs), mb["input_ids"].shape[1])
 
-    def _forward_scores(self, mb: dict[str, Any]) -> torch.Tensor:
-        """Micro-batch on device -> scalar-head scores [b] in fp32."""
-        return self._scores(self._model_inputs(mb)).float()
+    def _forward_scores(self, mb: dict[str, Any], inputs: Optional[ModelInputs] = None) -> torch.Tensor:
+        """Micro-batch on device (and its model inputs, if made already) -> scalar-head scores [b] in fp32."""
+        return self._scores(self._model_inputs(mb) if inputs is None else inputs).float()
 
     def _train_output(self, mb: dict[str, Any], inputs: ModelInputs) -> torch.Tensor:
         """Micro-batch on device and its model inputs -> what the loss takes: log-probs [b, T] of a causal LM,
         or the scalar head's scores [b] (reward-model training)."""
-        if self.scalar_head:
-            return self._scores(inputs).float()
-        return inputs.to_rows(self._logprobs(inputs), mb["input_ids"].shape[1])
+        return self._forward_scores(mb, inputs) if self.scalar_head else self._forward_logprobs(mb, inputs)
 
     def _train_loss(self, loss_fn, output: torch.Tensor, mb: dict[str, Any], inputs: ModelInputs,
                     gvs: torch.Tensor, gvt: torch.Tensor, totals: dict[str, float]) -> torch.Tensor:

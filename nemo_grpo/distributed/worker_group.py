@@ -111,7 +111,8 @@ class WorkerGroup:
         recyclable = self._owns_pg and issubclass(worker_cls, RestartableWorker)
         self._spare_key = (worker_cls, self.world_size, self.local_world_size, self.use_gpus,
                            tuple(sorted(env.items()))) if recyclable else None
-        spare = spare_workers.installed().take(self._spare_key) if recyclable and spare_workers.installed() else None
+        spares = spare_workers.installed() if recyclable else None
+        spare = spares.take(self._spare_key) if spares is not None else None
         if spare:
             self._pg = spare.placement_group
         else:
