@@ -71,13 +71,14 @@ class ParallelLayout:
 
 
 def _check_expert_parallel(ep, layout: ParallelLayout, key: str) -> None:
-    """Megatron's expert parallelism splits the experts over ep of the data-parallel ranks: ep must divide dp."""
+    """Megatron-Core takes the expert-parallel ranks out of a pipeline stage's tp x cp x dp ranks (expert tensor
+    parallel size 1: each expert whole on its rank): ep must divide them (at tp = cp = 1, the data-parallel ranks)."""
     if not isinstance(ep, int) or ep < 1:
         raise ConfigError(f"config key '{key}expert_model_parallel_size': must be an integer >= 1, got {ep!r}")
-    if layout.dp % ep:
-        raise ConfigError(f"config key '{key}expert_model_parallel_size': {ep} does not divide the data parallel "
-                          f"size {layout.dp} ({layout}); expert parallelism splits the experts over data-parallel "
-                          "ranks")
+    ranks = layout.tp * layout.cp * layout.dp
+    if ranks % ep:
+        raise ConfigError(f"config key '{key}expert_model_parallel_size': {ep} does not divide the {ranks} ranks of "
+                          f"tp x cp x dp ({layout}) that expert parallelism splits the experts over")
 
 
 def backend_layout(backend: str, dtensor_cfg, megatron_cfg, world: int, prefix: str = "policy",

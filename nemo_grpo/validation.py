@@ -249,10 +249,8 @@ def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "polic
     if p.backend == "megatron":
         m, key = p.megatron_cfg, f"{prefix}.megatron_cfg."
         check_megatron_experts(hf, f"{prefix}.megatron_cfg", model_path, m.tensor_model_parallel_size,
-                               m.pipeline_model_parallel_size, m.expert_model_parallel_size)
-        _need(not (moe_experts(hf) and m.use_distributed_optimizer), key + "use_distributed_optimizer",
-              "not with a Mixture-of-Experts model yet (its expert gradients would need their own buckets, "
-              "reduced over the expert-data-parallel group); set it to false")
+                               m.pipeline_model_parallel_size, m.expert_model_parallel_size,
+                               m.use_distributed_optimizer)
         _need(not (moe_experts(hf) and p.lora.enabled), f"{prefix}.lora.enabled",
               "not with a Mixture-of-Experts model on megatron yet (no adapters on the experts or the router)")
         _need(not (moe_experts(hf) and m.context_parallel_size > 1), key + "context_parallel_size",

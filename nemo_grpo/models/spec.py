@@ -124,26 +124,49 @@ def moe_experts(cfg) -> int:
     return int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0)
 
 
-def check_megatron_experts(cfg, megatron_key: str, model: str, tp: int, pp: int, ep: int) -> None:
-    """What the Megatron back end builds of a model's experts, a ConfigError naming the key otherwise
-    (`megatron_key`: e.g. policy.megatron_cfg): MoE at tensor_model_parallel_size 1 and pipeline_model_parallel_size
-    1 (tested so far; the experts are not split over TP), with an expert_model_parallel_size that divides the
-    experts; expert_model_parallel_size 1 for a dense model."""
-    experts, key = moe_experts(cfg), megatron_key + "."
+def check_expert_split(experts: int, ep: int, megatron_key: str, model: str) -> None:
+    """expert_model_parallel_size `ep` splits a model's `experts` per layer evenly, and is 1 for a dense model
+    (experts 0); a one-line ConfigError naming `megatron_key`.expert_model_parallel_size otherwise. Training and
+    the planner both refuse these."""
+    key = f"{megatron_key}.expert_model_parallel_size"
+    if not experts and ep != 1:
+        raise ConfigError(f"config key '{key}': {ep}, but {model} is a dense model (no experts to split); set it to 1")
+    if experts and experts % ep:
+        raise ConfigError(f"config key '{key}': {ep} does not divide the model's {experts} experts")
+
+
+def megatron_moe_unbuilt(experts: int, megatron_key: str, model: str, tp: int, pp: int,
+                         distributed_optimizer: bool) -> list[str]:
+    """What the Megatron back end does not build yet for a Mixture-of-Experts model (one message per key, each
+    naming it); [] for a dense model or a layout it builds (tp = pp = 1, no distributed optimizer). Training
+    refuses these; the planner sizes them (as Megatron-Core lays them out) and says so in a note."""
     if not experts:
-        if ep != 1:
-            raise ConfigError(f"config key '{key}expert_model_parallel_size': {ep}, but {model} is a dense model "
-                              "(no experts to split); set it to 1")
-        return
+        return []
+    key, out = megatron_key + ".", []
     for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
         if value != 1:
-            raise ConfigError(f"config key '{key}{name}': {value}; megatron builds Mixture-of-Experts models "
-                              f"({model}: {experts} experts) at tensor and pipeline parallel size 1 only so far: "
-                              f"split the experts with {key}expert_model_parallel_size, or use "
-                              f"{megatron_key.rpartition('.')[0]}.backend=dtensor (FSDP2 + TP on attention)")
-    if experts % ep:
-        raise ConfigError(f"config key '{key}expert_model_parallel_size': {ep} does not divide the model's "
-                          f"{experts} experts")
+            out.append(f"config key '{key}{name}': {value}; megatron builds Mixture-of-Experts models "
+                       f"({model}: {experts} experts) at tensor and pipeline parallel size 1 only so far: "
+                       f"split the experts with {key}expert_model_parallel_size, or use "
+                       f"{megatron_key.rpartition('.')[0]}.backend=dtensor (FSDP2 + TP on attention)")
+    if distributed_optimizer:
+        out.append(f"config key '{key}use_distributed_optimizer': not with a Mixture-of-Experts model yet (its "
+                   "expert gradients would need their own buckets, reduced over the expert-data-parallel group); "
+                   "set it to false")
+    return out
+
+
+def check_megatron_experts(cfg, megatron_key: str, model: str, tp: int, pp: int, ep: int,
+                           distributed_optimizer: bool = False) -> None:
+    """What the Megatron back end builds of a model's experts, a ConfigError naming the key otherwise
+    (`megatron_key`: e.g. policy.megatron_cfg): MoE at tensor_model_parallel_size 1 and
+    pipeline_model_parallel_size 1 without the distributed optimizer (tested so far; the experts are not split
+    over TP), with an expert_model_parallel_size that divides the experts; 1 for a dense model."""
+    experts = moe_experts(cfg)
+    unbuilt = megatron_moe_unbuilt(experts, megatron_key, model, tp, pp, distributed_optimizer)
+    if unbuilt:
+        raise ConfigError(unbuilt[0])
+    check_expert_split(experts, ep, megatron_key, model)
 
 
 def check_divisible(cfg, tp: int, pp: int, tp_key: str, pp_key: Optional[str] = None) -> None:

@@ -6,7 +6,12 @@ What each back end keeps, read off nemo_grpo/backends/:
              scoring-only reward model); fp32 gradients of the main parameters; optimizer state (Adam: two fp32
              moments); masters and moments / dp with use_distributed_optimizer (Megatron's DistributedOptimizer,
              whose DDP gradient buffer stays whole); 1F1B keeps min(pp - stage, micro-batches) micro-batches of
-             activations on a stage.
+             activations on a stage. Mixture-of-Experts: a rank keeps experts / expert_model_parallel_size of
+             each layer, whole over tp (expert tensor parallel size 1); their gradients are reduced, and under
+             the distributed optimizer their masters and moments sharded, over the expert-data-parallel ranks
+             (tp x cp x dp / ep), the rest over dp; plus the alltoall dispatch buffers of the layer running.
+             Layouts the back end does not build for MoE yet (tp or pp > 1, the distributed optimizer) are
+             sized all the same, with a note that training refuses them.
   dtensor    FSDP2: fp32 parameters, gradients and optimizer state sharded over dp (linear weights split over
              tp first); the largest unit all-gathered in the compute dtype, x2 (the next one is prefetched); the
              full fp32 model sits on every GPU while loading, before it is sharded.
@@ -40,10 +45,11 @@ from nemo_grpo.distributed.resource_plan import node_list, plan_resources
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.layout import policy_layout
 from nemo_grpo.models.lora import target_modules
+from nemo_grpo.models.spec import check_expert_split, megatron_moe_unbuilt
 from nemo_grpo.planning import activations as act
 from nemo_grpo.planning.params import decoder_spec, hf_config
 from nemo_grpo.planning.params import (dtensor_rank_params, largest_fsdp_unit, lora_layer_params,
-                                       megatron_stage_params, total_params)
+                                       megatron_stage_split, total_params)
 
 GIB = float(1 << 30)
 RUNTIME_RESERVE_GIB = 3.0
@@ -177,19 +183,47 @@ def _shards(dp: int, cp: int) -> tuple[int, str]:
     return dp * cp, f"dp {dp} x cp {cp}" if cp > 1 else f"dp {dp}"
 
 
-def _optimizer_row(p, n: int, shards: int, label: str = "") -> tuple[str, float]:
+@dataclass(frozen=True)
+class Shards:
+    """`params` parameters whose fp32 state (masters, optimizer state, a bf16 reduction's fp32 gradient shard)
+    one rank keeps 1/`ranks` of; `label` names those ranks in the rows ('' to name none)."""
+    params: int
+    ranks: int = 1
+    label: str = ""
+
+
+def _sharded(groups: list[Shards], per_param: float) -> tuple[float, str]:
+    """Bytes of `per_param` bytes of state per parameter of each group, / its ranks; and the rows' label
+    (' / dp 4, experts / expert dp 2'; '' when no group names its ranks)."""
+    labels = [g.label for g in groups if g.label]
+    return sum(g.params * per_param / g.ranks for g in groups), " / " + ", ".join(labels) if labels else ""
+
+
+def _weight_shards(dense: int, expert: int, tp: int, dp: int, cp: int, ep: int) -> list[Shards]:
+    """What Megatron's data-parallel gradient reduction and DistributedOptimizer shard over: the non-expert
+    parameters over dp (x cp), the experts over their expert-data-parallel group, tp x cp x dp / ep ranks (the
+    ranks of a pipeline stage holding the same experts: expert tensor parallel size 1)."""
+    ranks, label = _shards(dp, cp)
+    out = [Shards(dense, ranks, label if ranks > 1 else "")]
+    if expert:
+        out.append(Shards(expert, tp * cp * dp // ep, f"experts / expert dp {tp * cp * dp // ep}"))
+    return out
+
+
+def _optimizer_row(p, groups: list[Shards]) -> tuple[str, float]:
     k = OPTIMIZER_STATES[p.optimizer.name]
-    where = f" / {label or f'dp {shards}'}" if shards > 1 else ""
-    return f"optimizer state ({p.optimizer.name}: {k} x fp32{where})", n * 4.0 * k / shards
+    total, where = _sharded(groups, 4.0 * k)
+    return f"optimizer state ({p.optimizer.name}: {k} x fp32{where})", total
 
 
-def _gradient_row(p, n: int, shards: int, label: str) -> dict[str, float]:
+def _gradient_row(p, groups: list[Shards]) -> dict[str, float]:
     """fp32 gradients of the main parameters; Megatron's DistributedOptimizer reducing in bf16
     (grad_reduce_in_fp32 false) keeps DDP's bf16 buffer plus an fp32 copy of this rank's shard."""
-    m = p.megatron_cfg
+    m, n = p.megatron_cfg, sum(g.params for g in groups)
     if p.precision == "bfloat16" and m.use_distributed_optimizer and \
             not m.distributed_data_parallel_config.grad_reduce_in_fp32:
-        return {f"gradients (bfloat16; fp32 shard / {label})": n * 2.0 + n * 4.0 / shards}
+        shard, where = _sharded(groups, 4.0)
+        return {f"gradients (bfloat16; fp32 shard{where})": n * 2.0 + shard}
     return {"gradients (fp32)": n * 4.0}
 
 
@@ -236,20 +270,23 @@ def _forward_rows(spec, impl: str, b: int, w: Workload, tp: int, sp: bool, vocab
 
 def _megatron_weights(p, spec, tp: int, pp: int, stage: int, dp: int, cp: int) -> tuple[dict, dict, float]:
     """One rank of `stage`: the weights it keeps (parameters; in bf16 fp32 masters), the rows training adds
-    (gradients, optimizer state) and the bytes of its parameters. LoRA: the frozen base in the precision alone,
-    whole on every DP rank; the adapters (`LoRA ` rows) as full-parameter training keeps parameters."""
-    b, n = DTYPE_BYTES[p.precision], megatron_stage_params(spec, tp, pp, stage)
-    grad_shards, label = _shards(dp, cp)
-    shards = grad_shards if p.megatron_cfg.use_distributed_optimizer else 1  # DistributedOptimizer: masters, state
-    state, tag, weights = {}, "", n * b
+    (gradients, optimizer state) and the bytes of its parameters. The experts count / ep, their sharded state /
+    their expert-data-parallel ranks (_weight_shards). LoRA: the frozen base in the precision alone, whole on
+    every DP rank; the adapters (`LoRA ` rows) as full-parameter training keeps parameters."""
+    m, b = p.megatron_cfg, DTYPE_BYTES[p.precision]
+    dense, expert = megatron_stage_split(spec, tp, pp, stage, m.expert_model_parallel_size)
+    state, tag, weights = {}, "", (dense + expert) * b
     if p.lora.enabled:
-        state[f"frozen base weights ({p.precision})"] = n * b
-        n, tag = _lora_layer(p, spec, tp) * (spec.num_layers // pp), "LoRA "
-    state[f"LoRA adapters ({p.precision})" if tag else f"parameters ({p.precision})"] = n * b
+        state[f"frozen base weights ({p.precision})"] = weights
+        dense, expert, tag = _lora_layer(p, spec, tp) * (spec.num_layers // pp), 0, "LoRA "
+    state[f"LoRA adapters ({p.precision})" if tag else f"parameters ({p.precision})"] = (dense + expert) * b
+    grads = _weight_shards(dense, expert, tp, dp, cp, m.expert_model_parallel_size)
+    # DistributedOptimizer: masters and optimizer state sharded as the gradients are reduced; else whole
+    kept = grads if m.use_distributed_optimizer else [Shards(g.params) for g in grads]
     if b == 2:
-        state[f"{tag}fp32 master weights" + (f" / {label}" if shards > 1 else "")] = n * 4.0 / shards
-    train = {tag + k: v for k, v in [*_gradient_row(p, n, grad_shards, label).items(),
-                                     _optimizer_row(p, n, shards, label)]}
+        masters, where = _sharded(kept, 4.0)
+        state[f"{tag}fp32 master weights{where}"] = masters
+    train = {tag + k: v for k, v in [*_gradient_row(p, grads).items(), _optimizer_row(p, kept)]}
     return state, train, weights
 
 
@@ -276,15 +313,25 @@ def megatron_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], di
             train = dict(state, **trained)
             train.update(_activation_rows(spec, impl, b, w, tp, sp, spec.num_layers // pp,
                                           min(pp - stage, w.micro_batches), m.activation_checkpointing))
+            train.update(_dispatch_row(spec, b, w.train_micro_batch * w.seq_len / cp / (tp if sp else 1)))
             if vocab:
                 train["logits"] = w.train_micro_batch * w.seq_len / cp * act.logits_bytes_per_token(vocab, b)
             phases["training"] = train
+        forward = (w.forward_seq_len or w.seq_len) * w.forward_batch / cp / (tp if sp else 1)
         phases["log-prob forward" if w.training else "scoring"] = dict(
-            state, **_forward_rows(spec, impl, b, w, tp, sp, vocab))
+            state, **_forward_rows(spec, impl, b, w, tp, sp, vocab), **_dispatch_row(spec, b, forward))
         devices.append(Device(f"stage {stage}" if pp > 1 else "every rank", phases))
         host = max(host, _host_rows(w, weights=weights, state=sum(state.values()) + _optimizer_bytes(trained)),
                    key=lambda h: sum(h.values()))
     return devices, host
+
+
+def _dispatch_row(spec, b: int, tokens: float) -> dict[str, float]:
+    """A Mixture-of-Experts model's alltoall dispatch buffers of the layer running, for `tokens` on this rank
+    (activations.moe_dispatch_bytes); {} for a dense model."""
+    if not spec.experts:
+        return {}
+    return {f"MoE token dispatch (3 x tok x top-{spec.experts_per_token} x h)": act.moe_dispatch_bytes(spec, b, tokens)}
 
 
 def _dtensor_weights(p, spec, tp: int, dp: int) -> tuple[dict, dict, float]:
@@ -294,9 +341,9 @@ def _dtensor_weights(p, spec, tp: int, dp: int) -> tuple[dict, dict, float]:
     n = dtensor_rank_params(spec, tp, dp)
     if not p.lora.enabled:
         return ({"parameters (fp32, FSDP shards)": n * 4.0},
-                dict([("gradients (fp32, FSDP shards)", n * 4.0), _optimizer_row(p, n, 1)]), n * 4.0)
+                dict([("gradients (fp32, FSDP shards)", n * 4.0), _optimizer_row(p, [Shards(n)])]), n * 4.0)
     a = -(-_lora_layer(p, spec, tp) * spec.num_layers // dp)
-    k, v = _optimizer_row(p, a, 1)
+    k, v = _optimizer_row(p, [Shards(a)])
     return ({"frozen base weights (fp32, FSDP shards)": n * 4.0, "LoRA adapters (fp32, FSDP shards)": a * 4.0},
             {"LoRA gradients (fp32, FSDP shards)": a * 4.0, "LoRA " + k: v}, n * 4.0)
 
@@ -376,8 +423,12 @@ def _spec(p, key: str, scalar_head: bool):
     tp, pp = ((p.megatron_cfg.tensor_model_parallel_size, p.megatron_cfg.pipeline_model_parallel_size)
               if megatron else (1, 1))
     try:
-        return decoder_spec(hf_config(p.model_name, f"{key}.model_name"), scalar_head, tp, pp, megatron,
+        spec = decoder_spec(hf_config(p.model_name, f"{key}.model_name"), scalar_head, tp, pp, megatron,
                             layout_key=f"{key}.megatron_cfg")
+        if megatron:
+            check_expert_split(spec.experts, p.megatron_cfg.expert_model_parallel_size, f"{key}.megatron_cfg",
+                               p.model_name)
+        return spec
     except ConfigError:
         raise
     except ValueError as e:
@@ -389,7 +440,8 @@ def _layout(p, world: int, nodes: tuple, key: str) -> str:
     if p.backend == "megatron":
         m = p.megatron_cfg
         cp = f" x CP {layout.cp}" if layout.cp > 1 else ""
-        shape = f"megatron TP {layout.tp} x PP {layout.pp}{cp} x DP {layout.dp}"
+        ep = f" (EP {m.expert_model_parallel_size})" if m.expert_model_parallel_size > 1 else ""
+        shape = f"megatron TP {layout.tp} x PP {layout.pp}{cp} x DP {layout.dp}{ep}"
         extras = [n for n, on in (("sequence parallel", m.sequence_parallel and layout.tp > 1),
                                   ("distributed optimizer", m.use_distributed_optimizer),
                                   ("recompute", m.activation_checkpointing)) if on]
@@ -414,6 +466,8 @@ def _policy_role(cfg, plan, spec, gpu: float) -> RolePlan:
     pp = p.megatron_cfg.pipeline_model_parallel_size if p.backend == "megatron" else 1
     if pp > 1:
         role.notes.append(f"1F1B: stage k keeps the activations of min({pp} - k, {w.micro_batches} micro-batches)")
+    if spec.experts:
+        role.notes += _moe_notes(p, spec, layout)
     if vllm_colocated:
         rows, role.problems, note = _vllm_rows(cfg, spec, gpu)
         for d in role.devices:
@@ -430,6 +484,20 @@ def _policy_role(cfg, plan, spec, gpu: float) -> RolePlan:
         role.notes.append(f"LoRA rank {p.lora.rank} on {', '.join(target_modules(p.lora))}: only the adapters "
                           f"train")
     return role
+
+
+def _moe_notes(p, spec, layout) -> list[str]:
+    """Where a Mixture-of-Experts policy's experts live; on Megatron, what its training does not build yet."""
+    if p.backend != "megatron":
+        return [f"experts: all {spec.experts} per layer on every rank (HF's modules, replicated over TP), sharded "
+                f"by FSDP2 like the rest"]
+    m = p.megatron_cfg
+    ep, edp = m.expert_model_parallel_size, layout.tp * layout.cp * layout.dp // m.expert_model_parallel_size
+    notes = [f"experts: {spec.experts} per layer / EP {ep} = {spec.experts // ep} per rank, whole over TP (expert "
+             f"TP 1); expert data parallel {edp} (tp x cp x dp / ep), the group their gradients are reduced "
+             f"over{' and their masters and optimizer state sharded over' if m.use_distributed_optimizer else ''}"]
+    return notes + [f"training refuses this layout today: {u}" for u in megatron_moe_unbuilt(
+        spec.experts, "policy.megatron_cfg", p.model_name, layout.tp, layout.pp, m.use_distributed_optimizer)]
 
 
 def _vllm_rows(cfg, spec, gpu: float) -> tuple[dict[str, float], list[str], str]:

@@ -1,6 +1,6 @@
 """Parameter counts of a decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE): in total, per token (`active_params`), per
-Megatron rank (tp, pp stage) and per DTensor rank (tp x FSDP dp), all read off the one back-end-neutral tensor
-table (nemo_grpo/models/spec.py); and of its LoRA adapters (`lora_layer_params`).
+Megatron rank (tp, pp stage, ep: `megatron_stage_split`) and per DTensor rank (tp x FSDP dp), all read off the one
+back-end-neutral tensor table (nemo_grpo/models/spec.py); and of its LoRA adapters (`lora_layer_params`).
 
 A model is described by its HF config: the `config.json` of the local directory when it exists, else the
 published config of a known model family matched on the directory's name (so a plan can be made before the
@@ -16,7 +16,7 @@ from transformers import AutoConfig
 
 from nemo_grpo.config import BUILTIN_MODEL_PREFIX, ConfigError
 from nemo_grpo.models.builtin import builtin_config
-from nemo_grpo.models.spec import HFTensor, ModelSpec, hf_tensors, model_spec, moe_experts, pipeline_stage
+from nemo_grpo.models.spec import HFTensor, ModelSpec, hf_tensors, model_spec, pipeline_stage
 
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
                max_position_embeddings=8192, num_key_value_heads=8, tie_word_embeddings=False)
@@ -79,15 +79,7 @@ def hf_config(model_name: str, key: str):
 
 def decoder_spec(cfg, scalar_head: bool, tp: int = 1, pp: int = 1, megatron: bool = True,
                  layout_key: str = "policy.megatron_cfg") -> ModelSpec:
-    """HF config -> ModelSpec at (tp, pp); megatron=False sizes any RoPE (the DTensor back end runs them all) and
-    Mixture-of-Experts models. megatron=True refuses MoE models: training builds them (tp = pp = 1, experts split
-    by expert_model_parallel_size), but the planner's Megatron rows count no expert parallelism yet."""
-    if megatron and moe_experts(cfg):
-        backend_key = layout_key.rpartition(".")[0] + ".backend"
-        raise ConfigError(f"config key '{backend_key}': the planner does not size Mixture-of-Experts models on "
-                          f"megatron yet ({getattr(cfg, 'name_or_path', '') or cfg.model_type}: {moe_experts(cfg)} "
-                          f"experts; its rows do not split experts over {layout_key}.expert_model_parallel_size); "
-                          f"plan with {backend_key}=dtensor for the model's size")
+    """HF config -> ModelSpec at (tp, pp); megatron=False sizes any RoPE (the DTensor back end runs them all)."""
     return model_spec(cfg, tp, pp, scalar_head=scalar_head, any_rope=not megatron, layout_key=layout_key)
 
 
@@ -118,14 +110,26 @@ def active_params(spec: ModelSpec) -> int:
     return total_params(spec) - idle
 
 
-def megatron_stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> int:
-    """Parameters of one rank of pipeline stage `stage` under TP tp: split tensors / tp (the vocabulary
-    padded to spec.padded_vocab), replicated ones whole; with tied embeddings and pp > 1 the last stage holds
-    its own copy of the embedding as output layer."""
-    n = sum(_on_tp_rank(t, spec, tp, vocab_parallel=True) for t in _stored(spec) if pipeline_stage(t, spec, pp) == stage)
+def is_expert(t: HFTensor) -> bool:
+    """A routed expert's tensor (HF's fused mlp.experts.*): Megatron splits these over the expert-parallel ranks."""
+    return ".mlp.experts." in t.name
+
+
+def megatron_stage_split(spec: ModelSpec, tp: int, pp: int, stage: int, ep: int = 1) -> tuple[int, int]:
+    """(non-expert, expert) parameters of one rank of pipeline stage `stage` under TP tp and EP ep: split tensors
+    / tp (the vocabulary padded to spec.padded_vocab), replicated ones (norms, routers) whole; the routed experts
+    / ep and whole over tp (expert tensor parallel size 1, as Megatron-Core's MoE recipes set it). With tied
+    embeddings and pp > 1 the last stage holds its own copy of the embedding as output layer."""
+    on_stage = [t for t in _stored(spec) if pipeline_stage(t, spec, pp) == stage]
+    dense = sum(_on_tp_rank(t, spec, tp, vocab_parallel=True) for t in on_stage if not is_expert(t))
     if spec.tied and pp > 1 and stage == pp - 1:
-        n += spec.padded_vocab * spec.hidden // tp
-    return n
+        dense += spec.padded_vocab * spec.hidden // tp
+    return dense, sum(math.prod(t.shape) for t in on_stage if is_expert(t)) // ep
+
+
+def megatron_stage_params(spec: ModelSpec, tp: int, pp: int, stage: int, ep: int = 1) -> int:
+    """All parameters of one rank of `stage` (megatron_stage_split's two parts)."""
+    return sum(megatron_stage_split(spec, tp, pp, stage, ep))
 
 
 def dtensor_rank_params(spec: ModelSpec, tp: int, dp: int) -> int:

@@ -16,7 +16,7 @@ from nemo_grpo.models.experts import fused_expert_names, unfuse_experts
 from nemo_grpo.layout import policy_layout
 from nemo_grpo.models.spec import hf_tensors, model_spec, moe_experts
 from nemo_grpo.models.tiny import tiny_config
-from nemo_grpo.planning.params import active_params, decoder_spec, hf_config, total_params
+from nemo_grpo.planning.params import active_params, decoder_spec, hf_config, megatron_stage_split, total_params
 from nemo_grpo.validation import validate_model_layout
 
 
@@ -62,9 +62,10 @@ def test_expert_parallelism_needs_experts_and_data_parallel_ranks(tmp_path):
                                           "model"):
         validate_model_layout(_megatron(tmp_path, **ep), str(tmp_path))
     assert policy_layout(_megatron(tmp_path, **ep), world=2).dp == 2
-    with pytest.raises(ConfigError, match="'policy.megatron_cfg.expert_model_parallel_size': 2 does not divide the "
-                                          "data parallel size 1"):
-        policy_layout(_megatron(tmp_path, **ep, **{"megatron_cfg.tensor_model_parallel_size": 2}), world=2)
+    four = {"megatron_cfg.expert_model_parallel_size": 4, "megatron_cfg.tensor_model_parallel_size": 2}
+    with pytest.raises(ConfigError, match=r"'policy.megatron_cfg.expert_model_parallel_size': 4 does not divide the "
+                                          r"2 ranks of tp x cp x dp \(dp 1 x tp 2 x pp 1 x cp 1 = 2\)"):
+        policy_layout(_megatron(tmp_path, **four), world=2)
 
 
 def test_expert_mapping_round_trips_over_expert_parallel_ranks():
@@ -99,7 +100,8 @@ def test_fused_experts_split_into_the_checkpoints_tensors():
                                                                                        22.19e9)])
 def test_moe_parameter_counts_match_the_published_models(name, total, active):
     """The planner's counts from the published config (KNOWN_MODELS) against the HF model built on the meta
-    device: 30.5B total / 3.3B active and 235B / 22B, as Qwen publishes them."""
+    device: 30.5B total / 3.3B active and 235B / 22B, as Qwen publishes them; the Megatron split into non-expert
+    and expert parameters against HF's expert tensors."""
     cfg = hf_config(name, "policy.model_name")
     spec = decoder_spec(cfg, scalar_head=False, megatron=False)
     with torch.device("meta"):
@@ -107,12 +109,7 @@ def test_moe_parameter_counts_match_the_published_models(name, total, active):
     assert total_params(spec) == sum(p.numel() for p in model.parameters())
     assert total_params(spec) == pytest.approx(total, rel=1e-3)
     assert active_params(spec) == pytest.approx(active, rel=1e-3)
-
-
-def test_the_planner_refuses_moe_on_megatron():
-    """`python -m nemo_grpo.plan` must not print a Megatron MoE plan it cannot size: its rows would hold every
-    expert on every rank whatever expert_model_parallel_size says."""
-    cfg = hf_config("Qwen3-30B-A3B", "policy.model_name")
-    with pytest.raises(ConfigError, match=r"config key 'policy.backend': the planner does not size "
-                                          r"Mixture-of-Experts models on megatron yet \(qwen3_moe: 128 experts"):
-        decoder_spec(cfg, scalar_head=False, megatron=True)
+    dense, expert = megatron_stage_split(spec, tp=1, pp=1, stage=0)
+    assert expert == sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    assert dense + expert == total_params(spec)
+    assert megatron_stage_split(spec, tp=1, pp=1, stage=0, ep=8) == (dense, expert // 8)
