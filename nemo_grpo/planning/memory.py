@@ -404,7 +404,10 @@ def plan_memory(cfg, plan=None) -> MemoryPlan:
     spec = _spec(cfg.policy, "policy", False)
     roles = [_policy_role(cfg, plan, spec, gpu)]
     g = cfg.policy.generation
-    if g.backend == "vllm" and not g.colocated.enabled:
+    if g.backend == "vllm" and not g.colocated.enabled and "generation" not in plan.placements:
+        roles[0].notes.append("generation: vLLM on actors of its own without devices (policy.generation.colocated"
+                              ".resources unset: a CPU-only cluster), nothing to plan")
+    elif g.backend == "vllm" and not g.colocated.enabled:
         place = plan.placements["generation"]
         rows, problems, note = _vllm_rows(cfg, spec, gpu)
         roles.append(RolePlan("generation", f"vLLM TP {g.vllm_cfg.tensor_parallel_size}, {place.world_size} GPUs "

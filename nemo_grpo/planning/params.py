@@ -39,6 +39,9 @@ _QWEN_MOE = dict(_QWEN, model_type="qwen3_moe", tie_word_embeddings=False, num_k
 
 # directory-name prefix (case-insensitive) -> the published config.json values of that model
 KNOWN_MODELS = {
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
+                         rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
     "meta-llama-3-8b": _LLAMA3_8B,
     "meta-llama-3-70b": _LLAMA3_70B,
     "llama-3.1-8b": dict(_LLAMA3_8B, **_LLAMA31_ROPE),
@@ -63,11 +66,12 @@ KNOWN_MODELS = {
 def hf_config(model_name: str, key: str):
     """The transformers config of `model_name` (builtin:*, a local directory, or a name KNOWN_MODELS matches).
     key: the config key naming it, for the error."""
-    if model_name.startswith(BUILTIN_MODEL_PREFIX):
-        return builtin_config()
-    if os.path.isfile(os.path.join(model_name, "config.json")):
+    builtin = model_name.startswith(BUILTIN_MODEL_PREFIX)
+    if builtin and not model_name.startswith(BUILTIN_MODEL_PREFIX + "smollm2"):
+        return builtin_config()  # the tiny ones; builtin:smollm2-135m-instruct is planned by its name below
+    if not builtin and os.path.isfile(os.path.join(model_name, "config.json")):
         return AutoConfig.from_pretrained(model_name)
-    base = os.path.basename(os.path.normpath(model_name)).lower()
+    base = os.path.basename(os.path.normpath(model_name.removeprefix(BUILTIN_MODEL_PREFIX))).lower()
     for prefix, values in KNOWN_MODELS.items():
         if base.startswith(prefix):
             values = dict(values)

@@ -282,6 +282,18 @@ def test_known_models_are_sized_like_their_published_configs():
              for name in KNOWN_MODELS}
     assert sizes["qwen2.5-1.5b"] == 1_543_714_304 and sizes["llama-3.3-70b"] == 70_553_706_496
     assert sizes["qwen3-32b"] == sizes["qwen3-32b-yarn"] == 32_762_123_264  # Qwen3-32B's model card: 32.8B
+    # the built-in real checkpoint is planned as SmolLM2-135M (the GGUF's model has 134,515,008), not as the tiny
+    # model the other built-ins are
+    assert sizes["smollm2-135m"] == 134_515_008
+    assert total_params(decoder_spec(hf_config("builtin:smollm2-135m-instruct", "k"), False)) == 134_515_008
+
+
+def test_cpu_engine_of_its_own_is_a_note_not_a_crash():
+    """Async GRPO on a CPU cluster: the engine is non-colocated without devices (no placement); this was a
+    KeyError: 'generation' from the planner."""
+    _, resources, memory = plan_recipe(os.path.join(ROOT, "configs", "grpo_smollm2_arith_cpu.yaml"), [])
+    assert "generation" not in resources.placements and len(memory.roles) == 1
+    assert any("without devices" in note for note in memory.roles[0].notes)
 
 
 # ---------------------------------------------------------------------------------------------- LoRA
