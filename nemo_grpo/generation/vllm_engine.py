@@ -69,6 +69,7 @@ QUIET_LOGGING = {"VLLM_LOGGING_LEVEL": "WARNING"}
 EXPECTED_RELOAD_WARNING = ": Failed to load weights"
 CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when the caller has not set it: plenty for small models
 MAX_MODEL_LEN_CAP = 32768  # max_model_len = min(max_position_embeddings, this) unless given
+CPU_PREFILL_TOKENS = 8192  # CPU: prompt tokens prefilled per engine step (at least max_model_len)
 
 
 def _vllm() -> SimpleNamespace:
@@ -162,11 +163,16 @@ class VllmGenerationWorker:
         if tensor_parallel_size > 1 and not cuda:
             for key, value in CPU_TP_ENV.items():
                 os.environ.setdefault(key, value)
+        # CPU: no chunked prefill. vLLM rewinds a seeded request's generator after a partial prefill step, and
+        # a CPU generator has no offset to rewind ("CPU Generator does not use offset"): any call whose prompts
+        # exceed one step's token budget failed. Whole prompts per step need a budget of max_model_len.
+        prefill = {} if cuda else {"enable_chunked_prefill": False,
+                                   "max_num_batched_tokens": max(max_model_len, CPU_PREFILL_TOKENS)}
         return _vllm().LLM(model=model_path, dtype="bfloat16" if cuda else "float32", enforce_eager=not cuda,
                            max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
                            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                            distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
-                           enable_sleep_mode=cuda)  # (vLLM's sleep mode needs CUDA's allocator)
+                           enable_sleep_mode=cuda, **prefill)  # (vLLM's sleep mode needs CUDA's allocator)
 
     def sleep(self) -> None:
         """GPU: level 1, weights to host memory, KV cache freed (no-op on a CPU, or when asleep)."""

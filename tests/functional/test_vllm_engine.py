@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from nemo_grpo.config import ClusterConfig, GenerationConfig
 from nemo_grpo.generation.torch_engine import filter_logits
 from nemo_grpo.generation import vllm_available
-from nemo_grpo.generation.vllm_engine import VllmGeneration, request_seed, sampling_kwargs
+from nemo_grpo.generation.vllm_engine import CPU_PREFILL_TOKENS, VllmGeneration, request_seed, sampling_kwargs
 from weight_io import update_weights
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
@@ -100,6 +100,15 @@ def test_same_seed_same_samples(engine):
     assert [o.token_ids for o in first] != [o.token_ids for o in engine.generate(PROMPTS, seed=8)]
     twins = engine.generate([PROMPTS[0], PROMPTS[0]], seed=7)  # per-request seeds: same prompt, new draw
     assert twins[0].token_ids != twins[1].token_ids
+
+
+def test_seeded_call_larger_than_one_prefill_step(engine):
+    """A seeded call whose prompts exceed one engine step's prefill budget (CPU_PREFILL_TOKENS). vLLM rewinds a
+    seeded request's generator after a partial prefill, which a CPU generator cannot do: with chunked prefill on,
+    such a call failed ("CPU Generator does not use offset"), e.g. an eval of 200 prompts x 4 samples."""
+    prompts = [[(7 * i + t) % 30 + 5 for t in range(100)] for i in range(CPU_PREFILL_TOKENS // 100 + 20)]
+    outs = engine.generate(prompts, seed=11, max_new_tokens=2)
+    assert len(outs) == len(prompts) and all(1 <= len(o.token_ids) <= 2 for o in outs)
 
 
 def test_refit_in_place_takes_effect_across_split_layers(engine, hf):
