@@ -30,7 +30,7 @@ def test_word_problem_splits_are_disjoint_and_reproducible(tmp_path):
 
 
 @pytest.mark.slow
-def test_recipe_first_two_steps_then_eval_of_its_checkpoint(ray_cluster, tmp_path, capsys):
+def test_recipe_first_two_steps_then_eval_of_its_checkpoint(user_console, ray_cluster, tmp_path, capsys):
     from nemo_grpo.eval import main as eval_main
 
     train, heldout = write_splits(str(tmp_path / "data"), 40, 8, seed=0)

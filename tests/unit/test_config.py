@@ -123,7 +123,7 @@ def _merged_yaml(recipe: str):
 
 @pytest.mark.parametrize("recipe", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),
                          ids=os.path.basename)
-def test_every_recipe_validates(recipe, tiny_model_dir):
+def test_every_recipe_validates(recipe, tiny_model_dir, tmp_path):
     """Every recipe loads and validates; model directories a recipe expects to be made first (a reward model
     that train_rm writes) are stood in for by a tiny model."""
     if os.path.basename(recipe).startswith("rm_"):
@@ -135,7 +135,10 @@ def test_every_recipe_validates(recipe, tiny_model_dir):
     if os.path.basename(recipe).startswith("eval_"):
         from nemo_grpo.validation import load_eval_config
 
-        cfg = load_eval_config(recipe)
+        data = OmegaConf.select(_merged_yaml(recipe), "data.data_path")
+        stand_in = tmp_path / "data.jsonl"  # a data file the recipe's user writes first (word_problems)
+        stand_in.write_text('{"input": "1+1=", "output": "2"}\n')
+        cfg = load_eval_config(recipe, [] if data is None or os.path.isfile(data) else [f"data.data_path={stand_in}"])
         assert cfg.eval.k_value <= cfg.eval.num_tests_per_prompt
         return
     overrides = []
