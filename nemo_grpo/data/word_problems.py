@@ -5,8 +5,8 @@
 writes `train.jsonl` and `heldout.jsonl` of `{"input", "output"}` rows (the training data keys): one- and
 two-step problems over addition, subtraction, multiplication and division with one- and two-digit numbers
 (a 135M model gets few right: the point is to learn), each ending in the instruction to put the final answer in
-`\\boxed{}`. The splits are disjoint: no problem text
-of the held-out split is in the training split. The same seed writes the same files.
+`\\boxed{}`. The splits are disjoint: no problem text of the held-out split is in the training split. The same
+seed writes the same files.
 """
 
 from __future__ import annotations
