@@ -11,7 +11,8 @@ many short-lived groups on a small cluster (the test suite starts some hundred p
 A worker class opts in by subclassing RestartableWorker: `teardown()` frees what its constructor made (the model,
 the process groups) and `restart(env, args, kwargs)` runs the constructor again in the same process, as a new
 rank with the torchrun environment `env`. Only groups that reserved their own placement group are kept (one that
-runs in a caller's placement group dies with it); a spare keeps its bundles reserved while it waits.
+runs in a caller's placement group dies with it); a spare keeps its bundles reserved while it waits, and a
+group whose reservation waits kills the oldest spares to free theirs (worker_group._wait_evicting_spares).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class SpareWorkers:
         self.max_workers = max_workers
         self.groups: list[tuple[tuple, SpareGroup]] = []  # least recently kept first
         self.restarts = 0  # groups handed out again (for the test suite's report)
+        self.evictions = 0  # groups killed to make room (keep's limit, or a reservation that waited)
 
     def take(self, key: tuple) -> Optional[SpareGroup]:
         """The most recently kept group of `key` (removed from the spares), or None."""
@@ -97,8 +99,14 @@ class SpareWorkers:
     def keep(self, key: tuple, group: SpareGroup) -> None:
         self.groups.append((key, group))
         while sum(len(g.actors) for _, g in self.groups) > self.max_workers:
+            self.evict_oldest()
+
+    def evict_oldest(self) -> None:
+        """Kill the least recently kept group and free its bundles (a no-op without spares)."""
+        if self.groups:
             _, oldest = self.groups.pop(0)
             kill_actors(oldest.actors, oldest.placement_group, "spare workers")
+            self.evictions += 1
 
     def clear(self) -> None:
         for _, group in self.groups:

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0
 TEARDOWN_TIMEOUT_S = 60.0
+SPARE_EVICTION_WAIT_S = 2.0  # a reservation not ready this soon frees the oldest spare workers' bundles
 
 
 STORE_PORTS = range(20000, 32768)  # below Linux's ephemeral range (32768-60999), where outgoing connections bind
@@ -55,6 +56,19 @@ def _node_address_and_free_port() -> tuple[str, int]:
                 continue
         return ray.util.get_node_ip_address(), port
     raise RuntimeError(f"no free TCP port in {STORE_PORTS.start}-{STORE_PORTS.stop - 1} on this node after 64 tries")
+
+
+def _wait_evicting_spares(pg) -> bool:
+    """Wait for placement group `pg`; True once it is ready, False after PLACEMENT_TIMEOUT_S. Spare workers
+    (spare_workers.py) keep their bundles: while `pg` waits and spares are kept, the least recently kept group is
+    killed every SPARE_EVICTION_WAIT_S (on one GPU a kept policy of one back end would hold the GPU the other
+    back end's policy needs)."""
+    spares = spare_workers.installed()
+    while spares is not None and spares.groups:
+        if ray.wait([pg.ready()], timeout=SPARE_EVICTION_WAIT_S)[0]:
+            return True
+        spares.evict_oldest()
+    return bool(ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)[0])
 
 
 def pin_threads() -> int:
@@ -138,8 +152,7 @@ class WorkerGroup:
         bundle = {"CPU": 1.0, "GPU": 1.0} if self.use_gpus else {"CPU": 1.0}
         pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK",
                              name=f"{self.name}-pg-{os.getpid()}-{id(self)}")
-        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-        if not ready:
+        if not _wait_evicting_spares(pg):
             remove_placement_group(pg)
             raise RuntimeError(
                 f"{self.name}: could not reserve {self.world_size} bundles of {bundle} within "

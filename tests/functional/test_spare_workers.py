@@ -48,3 +48,28 @@ def test_a_restarted_worker_is_a_fresh_one(ray_cluster, tiny_model_dir, backend,
         assert segment_calls(policy) == [0, 0]
         assert_logprobs_match_hf(policy, llama, make_batch(5, seed=4))
         check_train_parity(policy, llama, make_batch(4, seed=5))
+
+
+def test_a_reservation_that_waits_evicts_spares(ray_cluster):
+    """Kept spares hold their bundles; a new group that cannot be placed beside them kills the oldest spares
+    until it can (as on one GPU: a kept DTensor policy holds the GPU that the next Megatron policy needs), and
+    waits for nothing once the spares are gone."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from nemo_grpo.distributed.worker_group import _wait_evicting_spares
+
+    free_cpus = int(ray.available_resources()["CPU"])
+    hog = placement_group([{"CPU": 1.0}] * free_cpus, strategy="PACK")  # every free CPU, as a spare group's
+    assert ray.wait([hog.ready()], timeout=30)[0]
+    spares = spare_workers.SpareWorkers(max_workers=8)
+    spares.keep(("hog",), spare_workers.SpareGroup(actors=[], placement_group=hog))
+    previous = spare_workers.install(spares)
+    wanted = placement_group([{"CPU": 1.0}], strategy="PACK")
+    try:
+        assert _wait_evicting_spares(wanted)
+        assert (spares.groups, spares.evictions) == ([], 1)
+    finally:
+        spare_workers.install(previous)
+        spares.clear()
+        remove_placement_group(wanted)
