@@ -3,8 +3,9 @@ recipe through `python -m nemo_grpo.train` in bf16, and the bf16 policy against 
 
     python -m pytest tests/functional/test_gpu.py -v -rs      # or: -m gpu over the whole suite
 
-The runs of the entry point are also marked slow. The Megatron cases skip where megatron-core is not installed. Generation is the torch engine (no vLLM needed):
-it samples on the CPU in fp32 from the fp32 master weights the policy exports after every step.
+The runs of the entry point are also marked slow. The Megatron cases skip where megatron-core is not installed.
+Generation is the torch engine (no vLLM needed): it samples on the CPU in fp32 from the fp32 master weights the
+policy exports after every step.
 """
 
 import math
@@ -85,10 +86,13 @@ def test_bf16_policy_matches_fp32_hf(ray_cluster, tiny_model_dir, backend):
         check_bf16_step(policy, path, make_batch(4, seed=9))
 
 
-def test_bf16_moe_policy_matches_fp32_hf(ray_cluster, tiny_model_dir):
-    """Qwen3-MoE (the tiny one: 8 experts, top-2) on the DTensor back end, one GPU in bf16: log-probs close to
-    fp32 HF, fp32 master weights, one step close to the fp32 reference step."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_moe_policy_matches_fp32_hf(ray_cluster, tiny_model_dir, backend):
+    """Qwen3-MoE (the tiny one: 8 experts, top-2) on one GPU in bf16 (Megatron: its MoELayer, the alltoall
+    dispatcher over a group of one): log-probs close to fp32 HF, fp32 master weights, one step close to the fp32
+    reference step."""
+    require_backend(backend)
     path = tiny_model_dir("qwen3_moe")
-    with Policy(policy_config(path, backend="dtensor", precision="bfloat16"), ONE_GPU, path) as policy:
+    with Policy(policy_config(path, backend=backend, precision="bfloat16"), ONE_GPU, path) as policy:
         assert (policy.devices, policy.dist_backend) == (["cuda:0"], "nccl")
         check_bf16_step(policy, path, make_batch(4, seed=9))
