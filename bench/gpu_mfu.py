@@ -3,6 +3,7 @@
     python bench/gpu_mfu.py                          # both back ends, 8 x 2048 tokens per step, micro-batch 1
     python bench/gpu_mfu.py --micro 2 --repeats 10 --only dtensor
     python bench/gpu_mfu.py --device cpu --tiny      # smoke run of this script on a CPU (a tiny Llama, ~30 s)
+    python bench/gpu_mfu.py --moe                    # a Qwen3-MoE (Qwen3-30B-A3B's layer, 4 layers, 64 experts)
 
 The model: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads of 64, 8 KV heads, FFN 8192, vocabulary
 128256, tied embeddings), random weights, saved once as a Hugging Face directory that both back ends load.
@@ -14,6 +15,10 @@ MFU = model FLOPs per step / step seconds / peak, model FLOPs = 6 N T + 12 L H S
 parameters, T the tokens of a step, L layers, H hidden size, S the sequence length. The attention term counts
 the whole S x S score matrix (causal kernels compute half) and activation recomputation is not counted.
 Peak: H100 SXM bf16 dense, 989 TFLOP/s (the H200 the same); --peak-tflops for another device.
+--moe: a Qwen3-MoE with Qwen3-30B-A3B's layer (hidden 2048, 32 heads of 128, 4 KV heads, experts of FFN 768, top-8
+renormalised, vocabulary 151936, untied) but 4 layers of 64 experts instead of 48 of 128 (~1.7B parameters: its fp32
+masters and Adam state fit one GPU); N in the MFU is then the parameters a token computes with (8 experts a layer).
+Megatron runs its MoELayer (SequentialMLP experts, alltoall dispatcher over a group of one), DTensor HF's module.
 """
 
 from __future__ import annotations
@@ -37,23 +42,37 @@ LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, 
                 head_dim=64, intermediate_size=8192, vocab_size=128256)
 TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             intermediate_size=256, vocab_size=512)
+# Hugging Face Qwen3MoeConfig fields: Qwen3-30B-A3B's layer, 4 of its 48 layers, 64 of its 128 experts
+QWEN3_MOE = dict(arch="qwen3_moe", hidden_size=2048, num_hidden_layers=4, num_attention_heads=32,
+                 num_key_value_heads=4, head_dim=128, intermediate_size=6144, num_experts=64, num_experts_per_tok=8,
+                 moe_intermediate_size=768, vocab_size=151936, tie_word_embeddings=False)
+TINY_MOE = dict(arch="qwen3_moe", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                vocab_size=512)
 # model and the defaults of --batch, --seq-len, --micro, --warmup, --repeats
-PRESETS = {"1b": dict(model=LLAMA_1B, batch=8, seq_len=2048, micro=1, warmup=2, repeats=5),
-           "tiny": dict(model=TINY, batch=4, seq_len=64, micro=2, warmup=1, repeats=2)}
+PRESETS = {"llama": dict(model=LLAMA_1B, batch=8, seq_len=2048, micro=1, warmup=2, repeats=5),
+           "tiny-llama": dict(model=TINY, batch=4, seq_len=64, micro=2, warmup=1, repeats=2),
+           "moe": dict(model=QWEN3_MOE, batch=8, seq_len=2048, micro=1, warmup=2, repeats=5),
+           "tiny-moe": dict(model=TINY_MOE, batch=4, seq_len=64, micro=2, warmup=1, repeats=2)}
 
 
 def save_model(path: str, shape: dict, seq_len: int) -> str:
-    """A random-weight Llama of `shape` (+ the tiny character tokenizer) saved as a HF directory at path."""
+    """A random-weight model of `shape` (a Llama unless shape names its arch; + the tiny character tokenizer)
+    saved as a HF directory at path."""
     from nemo_grpo.models.tiny import save_tiny_model
 
-    return save_tiny_model(path, arch="llama", max_position_embeddings=max(seq_len, 128), **shape)
+    shape = dict(shape)
+    return save_tiny_model(path, arch=shape.pop("arch", "llama"), max_position_embeddings=max(seq_len, 128),
+                           **shape)
 
 
-def count_parameters(model_dir: str) -> int:
-    """Parameters of a saved HF model (tied embeddings once), as the memory planner counts them."""
-    from nemo_grpo.planning.params import decoder_spec, hf_config, total_params
+def count_parameters(model_dir: str) -> tuple[int, int]:
+    """(all, active) parameters of a saved HF model (tied embeddings once), as the memory planner counts them;
+    active: those one token computes with (an MoE's routed experts only; all of a dense model)."""
+    from nemo_grpo.planning.params import active_params, decoder_spec, hf_config, total_params
 
-    return total_params(decoder_spec(hf_config(model_dir, "--model-dir"), scalar_head=False, megatron=False))
+    spec = decoder_spec(hf_config(model_dir, "--model-dir"), scalar_head=False, megatron=False)
+    return total_params(spec), active_params(spec)
 
 
 def model_flops_per_step(n_params: int, shape: dict, seq_len: int, tokens: int) -> float:
@@ -99,17 +118,27 @@ def derived(result: dict, flops: float, tokens: int, peak_tflops: float) -> dict
             "MFU": flops / s / (peak_tflops * 1e12)}
 
 
-def print_table(rows: dict, args, n_params: int, shape: dict) -> None:
-    """Metrics by row, back ends side by side, then megatron / dtensor where both ran."""
+def describe(shape: dict, n_params: int, n_active: int) -> str:
+    """One line: the model's kind, parameters and shape."""
+    heads = (f"{shape['hidden_size']}, {shape['num_hidden_layers']} layers, {shape['num_attention_heads']}/"
+             f"{shape['num_key_value_heads']} heads of {shape['head_dim']}")
+    if shape.get("arch") == "qwen3_moe":
+        return (f"Qwen3-MoE {n_params:,} parameters, {n_active:,} active (hidden {heads}, {shape['num_experts']} "
+                f"experts of FFN {shape['moe_intermediate_size']}, top-{shape['num_experts_per_tok']}, vocab "
+                f"{shape['vocab_size']})")
+    return f"Llama {n_params:,} parameters (hidden {heads}, FFN {shape['intermediate_size']}, vocab " \
+           f"{shape['vocab_size']}, tied)"
+
+
+def print_table(rows: dict, args, n_params: tuple[int, int], shape: dict) -> None:
+    """Metrics by row, back ends side by side, then megatron / dtensor where both ran. n_params: (all, active)."""
     ok = {b: r for b, r in rows.items() if "error" not in r}
     devices = sorted({d for r in ok.values() for d in r["devices"]}) or ["-"]
-    print(f"\nLlama {n_params:,} parameters (hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
-          f"{shape['num_attention_heads']}/{shape['num_key_value_heads']} heads of {shape['head_dim']}, FFN "
-          f"{shape['intermediate_size']}, vocab {shape['vocab_size']}, tied), bf16 on {', '.join(devices)}; "
+    print(f"\n{describe(shape, *n_params)}, bf16 on {', '.join(devices)}; "
           f"{args.batch} x {args.seq_len} tokens per step, micro-batch {args.micro}"
           f"{', activation recomputation' if args.activation_checkpointing else ''}; "
           f"median of {args.repeats} after {args.warmup} warm-up; peak {args.peak_tflops:g} TFLOP/s")
-    flops = model_flops_per_step(n_params, shape, args.seq_len, args.batch * args.seq_len)
+    flops = model_flops_per_step(n_params[1], shape, args.seq_len, args.batch * args.seq_len)
     stats = {b: derived(r, flops, args.batch * args.seq_len, args.peak_tflops) for b, r in ok.items()}
     names = list(rows)
     both = all(b in stats for b in BACKENDS)
@@ -128,7 +157,8 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="a tiny Llama and batch (a smoke run, e.g. on a CPU)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model and batch (a smoke run, e.g. on a CPU)")
+    ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE (Qwen3-30B-A3B's layer) instead of the Llama")
     ap.add_argument("--batch", type=int, help="sequences per step (default 8; --tiny 4)")
     ap.add_argument("--seq-len", type=int, help="tokens per sequence (default 2048; --tiny 64)")
     ap.add_argument("--micro", type=int, help="sequences per forward/backward (default 1; --tiny 2)")
@@ -140,7 +170,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (a CPU run)")
     ap.add_argument("--model-dir", help="keep the saved model here (default: a temporary directory, removed)")
     args = ap.parse_args()
-    preset = PRESETS["tiny" if args.tiny else "1b"]
+    preset = PRESETS[("tiny-" if args.tiny else "") + ("moe" if args.moe else "llama")]
     for key in ("batch", "seq_len", "micro", "warmup", "repeats"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
@@ -162,7 +192,7 @@ def main() -> None:
     workdir = None if args.model_dir else tempfile.TemporaryDirectory(prefix="bench_mfu_")
     path = save_model(args.model_dir or workdir.name, args.shape, args.seq_len)
     n_params = count_parameters(path)
-    print(f"model: {n_params:,} parameters saved to {path}", flush=True)
+    print(f"model: {n_params[0]:,} parameters ({n_params[1]:,} active) saved to {path}", flush=True)
     init_ray()
     batch = make_batch(args.batch, args.seq_len, vocab=args.shape["vocab_size"])
     rows = {}
