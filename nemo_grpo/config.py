@@ -81,6 +81,10 @@ class MegatronConfig(RouterLossConfig):
     distributed_data_parallel_config: DistributedDataParallelConfig = field(
         default_factory=DistributedDataParallelConfig)
     activation_checkpointing: bool = False  # full recomputation of every layer in the backward pass
+    # Mixture-of-Experts routing replay: none | old_policy (R2: the training forward routes every position to the
+    # experts the log-prob pass of the same weights chose, recorded per position and layer) | engine (R3: the
+    # generation engine's routes; not built yet)
+    moe_router_replay: str = "none"
     layer_spec: str = "local"  # local (torch modules) | transformer_engine (needs Transformer Engine)
     # core attention of the local spec: sdpa (torch's scaled_dot_product_attention: flash / memory-efficient
     # kernels, no [s, s] scores kept) | unfused (Megatron's DotProductAttention); TE's spec has its own

@@ -149,24 +149,33 @@ class Policy:
         results = ray.get(refs)
         return [results[self._output_rank_of[d]] for d in range(self.dp_size)]
 
-    def _forward(self, method: str, batch: "dict[str, Any] | ShippedRows") -> torch.Tensor:
+    def _forward(self, method: str, batch: "dict[str, Any] | ShippedRows", **kwargs) -> Any:
         """Rows split over DP (short shards padded so all ranks run the same number of forwards), each DP group
-        sent the same reference; per-row results gathered back in batch order."""
+        sent the same reference; per-row results (a tensor, or a tuple of them) gathered back in batch order."""
         if not isinstance(batch, ShippedRows):
             _check_keys(batch, ("input_ids", "input_lengths"), method)
             batch = self.ship({"input_ids": batch["input_ids"], "input_lengths": batch["input_lengths"]})
         plan = self._micro_batch_plan(batch.lengths, "logprob")
-        args = [(batch.refs[d],) if plan is None else (batch.refs[d], plan[d]) for d in self._dp_rank_of]
-        return batch.gather(self._gather(self.group.run_each(method, args)))
+        args = [(batch.refs[d], plan[d] if plan else None) for d in self._dp_rank_of]
+        per_dp = self._gather(self.group.run_each(method, args, **kwargs))
+        if isinstance(per_dp[0], tuple):
+            return tuple(batch.gather(list(parts)) for parts in zip(*per_dp))
+        return batch.gather(per_dp)
 
     # ------------------------------------------------------------------------------------------ inference
     def _need_lm(self, what: str) -> None:
         if self.scalar_head:
             raise RuntimeError(f"{self.name}: {what} needs a causal LM; this policy has a scalar head (use score)")
 
-    def get_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
-        """input_ids [B, T], input_lengths [B] -> logprobs [B, T] (column 0 and padding are 0), no grad."""
+    def get_logprobs(self, batch: dict[str, Any], return_routes: bool = False) -> Any:
+        """input_ids [B, T], input_lengths [B] -> logprobs [B, T] (column 0 and padding are 0), no grad. With
+        return_routes (a Mixture-of-Experts model): (logprobs, routed_experts [B, T, L, k] int16), the experts
+        each position was routed to in each of the L MoE layers (-1 on padding), which `train` takes as the
+        column "routed_experts" (routing replay, policy.megatron_cfg.moe_router_replay, and the agreement
+        metrics of backends/router.py)."""
         self._need_lm("get_logprobs")
+        if return_routes:
+            return self._forward("get_logprobs", batch, return_routes=True)
         return self._forward("get_logprobs", batch)
 
     def get_reference_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:

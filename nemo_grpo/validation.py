@@ -147,6 +147,7 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy", scalar
     validate_router_losses(p, prefix)
     _validate_context_parallel(p, prefix, width or (f"{prefix}.max_total_sequence_length",
                                                     p.max_total_sequence_length))
+    _validate_router_replay(p, prefix)
     if p.backend == "megatron":
         key = f"{prefix}.megatron_cfg."
         _choice(m.layer_spec, key + "layer_spec", ["local", "transformer_engine"])
@@ -235,6 +236,21 @@ def _validate_sequence_packing(p: PolicyConfig, prefix: str) -> None:
           "set one of them off")
 
 
+def _validate_router_replay(p: PolicyConfig, prefix: str) -> None:
+    """policy.megatron_cfg.moe_router_replay: a known mode, built (old_policy), on the megatron back end, and not
+    with activation checkpointing (the recomputed forward would need the routes a second time)."""
+    m, key = p.megatron_cfg, f"{prefix}.megatron_cfg.moe_router_replay"
+    _choice(m.moe_router_replay, key, ["none", "old_policy", "engine"])
+    if m.moe_router_replay == "none":
+        return
+    _need(m.moe_router_replay != "engine", key, "engine (R3: the generation engine's routes replayed in training) "
+          "is not built yet: neither engine returns the routes of what it generates; use old_policy (R2)")
+    _need(p.backend == "megatron", key, f"{m.moe_router_replay}: routing replay is built on the megatron back end "
+          f"only; set {prefix}.backend=megatron or {key}=none")
+    _need(not m.activation_checkpointing, key, f"{m.moe_router_replay}: not with "
+          f"{prefix}.megatron_cfg.activation_checkpointing (the recomputed forward would route again); set one off")
+
+
 def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "policy") -> None:
     """The model's heads, KV heads, MLP width (and layers) split over the layout's tp (and pp), and Megatron builds
     its RoPE: checked from its config.json before any worker starts; a ConfigError names the key and the sizes."""
@@ -251,6 +267,8 @@ def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "polic
         check_megatron_experts(hf, f"{prefix}.megatron_cfg", model_path, m.tensor_model_parallel_size,
                                m.pipeline_model_parallel_size, m.expert_model_parallel_size,
                                m.use_distributed_optimizer)
+        _need(moe_experts(hf) or m.moe_router_replay == "none", key + "moe_router_replay",
+              f"{m.moe_router_replay}, but {model_path} is a dense model (no routers to replay); set it to none")
         _need(not (moe_experts(hf) and p.lora.enabled), f"{prefix}.lora.enabled",
               "not with a Mixture-of-Experts model on megatron yet (no adapters on the experts or the router)")
         _need(not (moe_experts(hf) and m.context_parallel_size > 1), key + "context_parallel_size",

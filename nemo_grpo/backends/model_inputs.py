@@ -77,14 +77,28 @@ class ModelInputs:
         lp = F.pad(self.gather(next_logprobs)[:, :-1], (1, 0))
         return torch.where(self.token_mask.bool(), lp, torch.zeros_like(lp))
 
-    def to_rows(self, values: torch.Tensor, full_t: int) -> torch.Tensor:
-        """Per-position values [r, t] -> [b, full_t]: sequence i's positions at columns 0..len_i-1; column 0
-        (no predecessor: a log-prob there would read the previous sequence) and the rest 0. Differentiable."""
+    def to_rows(self, values: torch.Tensor, full_t: int, column_0: bool = False, fill=0) -> torch.Tensor:
+        """Per-position values [r, t, ...] -> [b, full_t, ...]: sequence i's positions at columns 0..len_i-1;
+        column 0 (no predecessor: a log-prob there would read the previous sequence; kept with column_0, e.g.
+        the routes of each position) and the rest `fill`. Differentiable."""
         cols = torch.arange(full_t, device=values.device)
         index = (self.seq_start[:, None] + cols[None, :]).clamp(max=values.shape[1] - 1)  # [b, full_t]
         out = values[self.seq_row[:, None], index]
-        keep = (cols[None, :] < self.seq_len[:, None]) & (cols[None, :] > 0)
-        return torch.where(keep, out, torch.zeros_like(out))
+        keep = (cols[None, :] < self.seq_len[:, None]) & ((cols[None, :] > 0) | column_0)
+        keep = keep.reshape(*keep.shape, *[1] * (out.dim() - 2))
+        return torch.where(keep, out, torch.full_like(out, fill))
+
+    def from_rows(self, values: torch.Tensor, fill) -> torch.Tensor:
+        """Per-token data of the sequences [b, T, ...] (e.g. recorded routes) -> at the positions the model sees
+        [r, t, ...] (the whole row under context parallelism): each sequence's first seq_len tokens where they
+        lie, `fill` on padding. The inverse of to_rows with column_0."""
+        b, full_t = values.shape[:2]
+        out = values.new_full((self.token_mask.shape[0], self.width, *values.shape[2:]), fill)
+        cols = torch.arange(full_t, device=values.device)
+        real = cols[None, :] < self.seq_len[:, None]  # [b, T]
+        out[self.seq_row[:, None].expand(b, full_t)[real], (self.seq_start[:, None] + cols[None, :])[real]] = \
+            values[real]
+        return out
 
     def last_tokens(self, values: torch.Tensor) -> torch.Tensor:
         """values [r, s, ...] of the positions the model saw -> [b, ...] at each sequence's last token (e.g. a

@@ -29,11 +29,18 @@ counts: the real tokens are the rows' first input_lengths positions (prompt and 
   micro-batch and data-parallel rank), max / mean; the worst layer. 1.0 is a perfect balance, E / k the worst.
 Under context parallelism each rank sees a share of the positions: the counts stay exact, the losses are each
 share's (the router-loss coefficients are refused there).
+- Routing agreement, when a training micro-batch carries recorded routes (`routed_experts` [b, T, L, k]: the
+  top-k experts each position went to in an earlier forward, e.g. the log-prob pass of the same weights):
+  "moe/routing_agreement", the share of the recorded (position, layer) choices that the training forward routed
+  to (1.0 under routing replay, which makes the forward route as recorded), and "moe/router_topk_agreement",
+  the same share for the router's own top-k of its logits (what it would route to without replay). Over the
+  real positions of the step's global batch, sum over positions and layers of |recorded & chosen| / (n L k).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -74,6 +81,14 @@ def load_imbalance(counts: torch.Tensor) -> float:
     return float((counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)).max())
 
 
+def routing_matches(chosen: list[torch.Tensor], recorded: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """How many recorded choices were chosen again: chosen, per layer [N, k] expert ids; recorded [N, L, k]
+    (-1: none); real [N] bool. Sum over the real positions and layers of |recorded & chosen|, a float scalar."""
+    hits = sum(((c[:, :, None] == recorded[:, layer, None, :].long()).any(-1).sum(-1) * real).sum()
+               for layer, c in enumerate(chosen))
+    return torch.as_tensor(hits, dtype=torch.float32)
+
+
 def _assignments(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """[N, E] logits -> [N, E] 1.0 at each position's top-k experts (ties as torch.topk breaks them)."""
     top = torch.topk(logits.detach().float(), top_k, dim=-1).indices
@@ -82,25 +97,44 @@ def _assignments(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- in a worker
 class RouterLogits:
-    """Collects the router logits of one training forward, one [N, E] tensor per MoE layer in layer order,
-    between `start()` (the worker, right before the forward) and `take()`; a back end calls `record` from its
-    routers (a forward hook, or a wrapped gating function). Not in eval mode (get_logprobs, score), nor after
-    `take` (a backward that recomputes the forward for activation checkpointing routes again)."""
+    """Collects the router logits of one training forward, one [N, E] tensor per MoE layer in layer order, and
+    the experts each position was routed to, [N, k] expert ids per layer, between `start()` (right before the
+    forward) and `take()`; a back end calls `record` / `record_routes` from its routers (forward hooks, or a
+    wrapped gating function). Not in eval mode (get_logprobs, score), except the routes inside `eval_routes()`;
+    nor after `take` (a backward that recomputes the forward for activation checkpointing routes again)."""
 
     def __init__(self):
         self.logits: list[torch.Tensor] = []
+        self.routes: list[torch.Tensor] = []
         self.armed = False
+        self.routes_in_eval = False
 
     def start(self) -> None:
-        self.logits, self.armed = [], True
+        self.logits, self.routes, self.armed = [], [], True
 
     def record(self, module: torch.nn.Module, logits: torch.Tensor) -> None:
         if self.armed and module.training:
             self.logits.append(logits)
 
-    def take(self) -> list[torch.Tensor]:
-        out, self.logits, self.armed = self.logits, [], False
+    def record_routes(self, module: torch.nn.Module, experts: torch.Tensor) -> None:
+        """experts [N, k]: the ids of the experts each of the layer's N positions was dispatched to."""
+        if self.armed and (module.training or self.routes_in_eval):
+            self.routes.append(experts.detach())
+
+    def take(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(logits, routes) of the forward since `start`, each a list over the MoE layers."""
+        out = self.logits, self.routes
+        self.logits, self.routes, self.armed = [], [], False
         return out
+
+    @contextlib.contextmanager
+    def eval_routes(self) -> Iterator[None]:
+        """Record the routes of eval-mode forwards too (get_logprobs with return_routes)."""
+        self.routes_in_eval = True
+        try:
+            yield
+        finally:
+            self.routes_in_eval = False
 
 
 class RouterLosses:
@@ -122,11 +156,15 @@ class RouterLosses:
         """step_tokens: the real tokens of the step's global batch (all micro-batches and DP ranks)."""
         self.step_tokens, self.counts = float(step_tokens), None
 
-    def add(self, real: torch.Tensor, metrics: dict) -> torch.Tensor:
-        """real [r, t]: the real-token mask of the positions the forward saw; -> coeff-weighted loss term."""
-        logits, real = self.recorder.take(), real.reshape(-1).bool()
+    def add(self, real: torch.Tensor, metrics: dict, recorded: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """real [r, t]: the real-token mask of the positions the forward saw; recorded [r, t, L, k]: the routes
+        recorded for them earlier (-1 where none), for the agreement metrics; -> coeff-weighted loss term."""
+        (logits, routes), real = self.recorder.take(), real.reshape(-1).bool()
         if not logits:
             raise RuntimeError("router losses: the training forward recorded no router logits")
+        if recorded is not None:
+            self._add_agreement(logits, routes, recorded.reshape(real.shape[0], *recorded.shape[-2:]), real,
+                                metrics)
         share = real.sum() / self.step_tokens
         aux = load_balancing_loss(logits, real, self.top_k) * share
         metrics["moe/aux_loss"] = aux.detach()
@@ -138,6 +176,17 @@ class RouterLosses:
         counts = expert_counts(logits, real, self.top_k)
         self.counts = counts if self.counts is None else self.counts + counts
         return term
+
+    def _add_agreement(self, logits: list[torch.Tensor], routes: list[torch.Tensor], recorded: torch.Tensor,
+                       real: torch.Tensor, metrics: dict) -> None:
+        """The micro-batch's shares of "moe/routing_agreement" (the routes dispatched) and
+        "moe/router_topk_agreement" (the top-k of the router's logits); recorded [N, L, k]."""
+        if len(routes) != len(logits):
+            raise RuntimeError(f"routing agreement: {len(routes)} layers' routes recorded for {len(logits)} routers")
+        whole = self.step_tokens * len(logits) * self.top_k
+        own = [torch.topk(x.detach().float(), self.top_k, dim=-1).indices for x in logits]
+        metrics["moe/routing_agreement"] = routing_matches(routes, recorded, real) / whole
+        metrics["moe/router_topk_agreement"] = routing_matches(own, recorded, real) / whole
 
     def step_metrics(self, group) -> dict[str, float]:
         """Collective over `group` (the data-parallel ranks): the step's load imbalance."""

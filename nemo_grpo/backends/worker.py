@@ -293,7 +293,10 @@ class PolicyWorker(RestartableWorker, ABC):
         loss, metrics = loss_and_metrics(loss_fn, output, mb, gvs, gvt)
         if self.router is not None:
             real = inputs.token_mask if inputs.context is None else inputs.context.take(inputs.token_mask)
-            loss = loss + self.router.add(real, metrics)
+            recorded = mb.get("routed_experts")
+            if recorded is not None and inputs.context is None:
+                recorded = inputs.from_rows(recorded, -1)  # [r, t, L, k]
+            loss = loss + self.router.add(real, metrics, recorded)
         accumulate(totals, metrics)
         return loss
 
@@ -304,14 +307,39 @@ class PolicyWorker(RestartableWorker, ABC):
         `micro_batches` (dynamic batching, sequence packing); the results in row order on output ranks."""
         self.model.eval()
         groups = micro_batches or fixed_size_groups(batch_size_of(data), self.cfg.logprob_batch_size)
-        outs = torch.cat([fn(self._to_device(take_rows(data, g))).cpu() for g in groups])
+        outs = [fn(self._to_device(take_rows(data, g))) for g in groups]
+        if not self.output_rank:
+            return None
         order = torch.tensor([i for g in groups for i in g])
-        return torch.empty_like(outs).index_copy_(0, order, outs) if self.output_rank else None
 
-    def get_logprobs(self, data: dict[str, torch.Tensor], micro_batches: Optional[list[list[int]]] = None
-                     ) -> Optional[torch.Tensor]:
-        """This DP rank's rows (input_ids, input_lengths) -> logprobs [b, T] (None on non-output ranks)."""
-        return self._chunked(data, self._forward_logprobs, micro_batches)
+        def in_row_order(parts: list[torch.Tensor]) -> torch.Tensor:
+            cat = torch.cat([p.cpu() for p in parts])
+            return torch.empty_like(cat).index_copy_(0, order, cat)
+        if isinstance(outs[0], tuple):
+            return tuple(in_row_order(list(parts)) for parts in zip(*outs))
+        return in_row_order(outs)
+
+    def get_logprobs(self, data: dict[str, torch.Tensor], micro_batches: Optional[list[list[int]]] = None,
+                     return_routes: bool = False) -> Any:
+        """This DP rank's rows (input_ids, input_lengths) -> logprobs [b, T] (None on non-output ranks); with
+        return_routes (a Mixture-of-Experts model), (logprobs, routed_experts [b, T, L, k] int16: the experts
+        each position was routed to in each MoE layer, -1 on padding)."""
+        if not return_routes:
+            return self._chunked(data, self._forward_logprobs, micro_batches)
+        if self.router is None:
+            raise RuntimeError("get_logprobs(return_routes=True): the model has no Mixture-of-Experts layers")
+        with self.router.recorder.eval_routes():
+            return self._chunked(data, self._logprobs_and_routes, micro_batches)
+
+    def _logprobs_and_routes(self, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch on device -> (logprobs [b, T], routed_experts [b, T, L, k] int16, -1 on padding)."""
+        inputs = self._model_inputs(mb)
+        self.router.recorder.start()
+        logprobs = self._forward_logprobs(mb, inputs)
+        _, routes = self.router.recorder.take()  # per layer [r * t, k]
+        r, t = inputs.token_mask.shape
+        stacked = torch.stack(routes, dim=1).reshape(r, t, len(routes), -1)
+        return logprobs, inputs.to_rows(stacked, mb["input_ids"].shape[1], column_0=True, fill=-1).to(torch.int16)
 
     def get_reference_logprobs(self, data: dict[str, torch.Tensor], micro_batches: Optional[list[list[int]]] = None
                                ) -> Optional[torch.Tensor]:

@@ -94,6 +94,24 @@ def hf_router_terms(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, flo
     return aux, z, max(float(c.max() / c.mean()) for c in counts)
 
 
+def check_routes_match_hf(policy: Policy, path: str, batch: dict) -> torch.Tensor:
+    """get_logprobs(return_routes=True): the log-probs as without routes, and at every real position the top-k
+    experts of HF's router logits in each layer (as sets), -1 on padding; returns the routes [B, T, L, k]."""
+    logprobs, routes = policy.get_logprobs(batch, return_routes=True)
+    assert torch.equal(logprobs, policy.get_logprobs(batch))
+    ids, lengths = batch["input_ids"], batch["input_lengths"]
+    model = load_hf(path).eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids, output_router_logits=True).router_logits  # per layer [B * T, E]
+    hf = torch.stack([torch.topk(x.view(*ids.shape, -1), model.config.num_experts_per_tok).indices
+                      for x in logits], dim=2)  # [B, T, L, k]
+    real = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+    assert routes.dtype == torch.int16 and routes.shape == hf.shape
+    assert torch.equal(routes.long().sort(-1).values[real], hf.sort(-1).values[real])
+    assert bool((routes[~real] == -1).all())
+    return routes
+
+
 def _router_coefficients(cfg: PolicyConfig) -> tuple[float, float]:
     r = cfg.router_losses
     return (r.moe_aux_loss_coeff if r.moe_router_load_balancing_type == "aux_loss" else 0.0), r.moe_z_loss_coeff or 0.0

@@ -31,6 +31,11 @@ class PolicyPool:
         self.idle: dict[str, Policy] = {}  # key -> policy, least recently used first
         self.initial: dict[str, str] = {}  # key -> checkpoint of its start state
         self.in_use = 0  # workers handed out and not returned
+        self.start_of: dict[int, str] = {}  # id(policy) -> checkpoint of its start state
+
+    def reset(self, policy: Policy) -> None:
+        """Back to the state the pool handed `policy` out in (its start checkpoint), within the same test."""
+        policy.load_checkpoint(self.start_of[id(policy)])
 
     @contextlib.contextmanager
     def policy(self, cfg, cluster, path: str, *, scalar_head: bool = False, init_reference: bool = False,
@@ -47,6 +52,7 @@ class PolicyPool:
             self.initial[key] = tempfile.mkdtemp(dir=self.root, prefix="initial_")
             policy.save_checkpoint(self.initial[key])
         self.in_use += policy.world_size
+        self.start_of[id(policy)] = self.initial[key]
         try:
             yield policy
         except BaseException:

@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 from policy_checks import (CLUSTER, TokenPGLoss, assert_logprobs_match_hf, assert_scores_match_hf, check_bf16_step,
-                           check_train_parity, export_state, hf_logprobs, load_hf, make_batch, max_diff, policy_config)
+                           check_routes_match_hf, check_train_parity, export_state, hf_logprobs, load_hf, make_batch,
+                           max_diff, policy_config)
 
 from nemo_grpo.policy import Policy
 from weight_io import export_weights
@@ -144,14 +145,18 @@ def test_qwen3_moe_matches_hf(ray_cluster, tiny_model_dir, tp):
     (tp=2, the experts replicated): log-probs and one optimizer step as the single-process HF model's. One step:
     routing is discontinuous, so after a step the layouts' float differences (~1e-7) may flip a near-tied top-k
     choice and the second step's gradients part (at tp=2 the weights then differ by ~3e-4, at dp=2 they did
-    not). Replaying the recorded routing would pin that down (routing replay: not built yet). The step's loss
-    has the router losses (HF's load-balancing loss, the z-loss), its moe/ metrics are HF's (check_train_parity)."""
+    not; routing replay, on Megatron, pins that down). The step's loss has the router losses (HF's
+    load-balancing loss, the z-loss), its moe/ metrics are HF's (check_train_parity). The routes get_logprobs
+    records are HF's top-k; the step, given them, routes every position as recorded (same weights)."""
     path = tiny_model_dir("qwen3_moe")
     router = {"dtensor_cfg.moe_router_load_balancing_type": "aux_loss", "dtensor_cfg.moe_aux_loss_coeff": 0.1,
               "dtensor_cfg.moe_z_loss_coeff": 0.01}
     with Policy(policy_config(path, **{"dtensor_cfg.tensor_parallel_size": tp}, **router), CLUSTER, path) as policy:
         assert_logprobs_match_hf(policy, path, make_batch(5, seed=7))
-        check_train_parity(policy, path, make_batch(4, seed=1))
+        batch = make_batch(4, seed=1)
+        batch["routed_experts"] = check_routes_match_hf(policy, path, batch)
+        metrics = check_train_parity(policy, path, batch)
+        assert metrics["moe/routing_agreement"] == metrics["moe/router_topk_agreement"] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -11,9 +11,11 @@ import sys
 
 import pytest
 import ray
-from policy_checks import (assert_logprobs_match_hf, check_checkpoint_resumes, check_train_parity, export_state,
-                           load_hf, make_batch, max_diff, policy_config)
+import torch
+from policy_checks import (TokenPGLoss, assert_logprobs_match_hf, check_checkpoint_resumes, check_routes_match_hf,
+                           check_train_parity, export_state, load_hf, make_batch, max_diff, policy_config)
 from test_mcore_policy import FOUR, megatron_policy
+from train_runs import read_metrics, train_in_process
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # local_experts runs in the workers
 # every policy of the module trains with both router losses (backends/router.py; HF's load-balancing loss)
@@ -59,3 +61,55 @@ def test_ep2_dp4_sums_expert_gradients_over_expert_data_parallel(policy_pool, ti
     with policy_pool.policy(cfg, FOUR, path) as policy:
         assert policy.group.run_all("__ray_call__", local_experts) == [4] * 4
         check_train_parity(policy, path, make_batch(4, seed=2))  # one row per rank, one step
+
+
+def test_routing_replay_routes_as_recorded(policy_pool, tiny_model_dir):
+    """Routing replay (policy.megatron_cfg.moe_router_replay old_policy) at dp 2 x ep 2. get_logprobs records
+    HF's top-k routes. One train call of two optimizer steps given those routes: without replay the second step's
+    forward (moved weights) routes elsewhere (moe/routing_agreement < 1, equal to the router's own top-k
+    agreement); with replay every position goes to its recorded experts (1.0) while the router's own top k
+    still drifts. Replaying the routes the weights would choose anyway changes nothing (the same step as without
+    replay); replaying other routes changes the step (the replay really dispatches)."""
+    path = tiny_model_dir("qwen3_moe")
+    batch, first = make_batch(8, seed=4), make_batch(4, seed=5)  # 8 rows: 2 optimizer steps of 4
+    results = {}
+    for replay in ("none", "old_policy"):
+        with megatron_policy(policy_pool, path, "dp2", **EP2, **{"megatron_cfg.moe_router_replay": replay}) as p:
+            routes = check_routes_match_hf(p, path, batch)
+            results[replay] = p.train(batch, TokenPGLoss(), columns={"routed_experts": routes})
+            policy_pool.reset(p)
+            one = {**first, "routed_experts": p.get_logprobs(first, return_routes=True)[1]}
+            start = export_state(p)
+            p.train(one, TokenPGLoss())
+            results[replay + "/one step"] = export_state(p)
+            if replay == "old_policy":
+                policy_pool.reset(p)
+                shifted = torch.where(one["routed_experts"] >= 0, (one["routed_experts"] + 3) % 8, -1)
+                p.train({**one, "routed_experts": shifted.to(torch.int16)}, TokenPGLoss())
+                assert max_diff(export_state(p), results["old_policy/one step"]) > 1e-3
+    plain, replayed = results["none"], results["old_policy"]
+    assert plain["moe/routing_agreement"] == plain["moe/router_topk_agreement"] < 0.95
+    assert replayed["moe/routing_agreement"] == pytest.approx(1.0)
+    assert replayed["moe/router_topk_agreement"] < 0.95
+    # the parity tests' 1e-4 (measured 4.9e-6: the replayed experts come in another order, so the softmax over
+    # their logits sums in another order, and Adam's lr 1e-2 step amplifies that rounding)
+    assert max_diff(results["none/one step"], results["old_policy/one step"]) <= 1e-4
+    assert max_diff(results["none/one step"], start) > 1e-3
+
+
+def test_grpo_replays_the_old_policys_routes(ray_cluster, tiny_model_dir, tmp_path):
+    """Two GRPO steps of the default recipe on the tiny Qwen3-MoE, Megatron dp 2 with moe_router_replay old_policy
+    and the torch engine, two optimizer steps per GRPO step: each training forward routes as the step's log-prob
+    pass recorded (moe/routing_agreement 1.0, also after the first optimizer step), the router's own agreement
+    is logged beside it, and refit keeps the engine on the policy's weights (token_mult_prob_error 1.0)."""
+    path = tiny_model_dir("qwen3_moe")
+    train_in_process(tmp_path, f"policy.model_name={path}", "policy.backend=megatron",
+                     "policy.megatron_cfg.moe_router_replay=old_policy", "policy.generation.backend=torch",
+                     "policy.train_global_batch_size=64", "grpo.max_num_steps=2", "grpo.val_at_start=false",
+                     "checkpointing.enabled=false")
+    train = read_metrics(f"{tmp_path}/logs", "train")
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert r["moe/routing_agreement"] == pytest.approx(1.0), r
+        assert 0.0 < r["moe/router_topk_agreement"] <= 1.0, r
+        assert r["token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3), r

@@ -113,3 +113,24 @@ def test_moe_parameter_counts_match_the_published_models(name, total, active):
     assert expert == sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     assert dense + expert == total_params(spec)
     assert megatron_stage_split(spec, tp=1, pp=1, stage=0, ep=8) == (dense, expert // 8)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"megatron_cfg.moe_router_replay": "R2"}, "got 'R2'; allowed: none, old_policy, engine"),
+    ({"megatron_cfg.moe_router_replay": "engine"}, "engine .* is not built yet: neither engine returns the routes"),
+    ({"megatron_cfg.moe_router_replay": "old_policy", "backend": "dtensor"},
+     "built on the megatron back end only; set policy.backend=megatron"),
+    ({"megatron_cfg.moe_router_replay": "old_policy", "megatron_cfg.activation_checkpointing": True},
+     "not with policy.megatron_cfg.activation_checkpointing")])
+def test_routing_replay_keys_are_checked(tmp_path, overrides, message):
+    from nemo_grpo.validation import validate_policy
+
+    with pytest.raises(ConfigError, match=f"config key 'policy.megatron_cfg.moe_router_replay': .*{message}"):
+        validate_policy(_megatron(tmp_path, **overrides), files=False)
+
+
+def test_routing_replay_needs_routers(tmp_path):
+    tiny_config("qwen3").save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="'policy.megatron_cfg.moe_router_replay': old_policy, but .* is a dense "
+                                          "model"):
+        validate_model_layout(_megatron(tmp_path, **{"megatron_cfg.moe_router_replay": "old_policy"}), str(tmp_path))

@@ -39,6 +39,22 @@ def test_packed_row_by_hand():
     assert inp.last_tokens(values).tolist() == [12, 14]
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_per_token_data_goes_where_the_tokens_lie_and_back(packed):
+    """from_rows puts each sequence's per-token data (e.g. recorded routes [b, T, L, k]) at its positions in the
+    row(s) the model sees, `fill` elsewhere; to_rows with column_0 brings it back whole."""
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]]), "input_lengths": torch.tensor([3, 2])}
+    inp = model_inputs(batch, packed=packed, multiple=4)
+    routes = torch.arange(16).reshape(2, 4, 1, 2) * (torch.arange(4)[None, :, None, None] < 3 - torch.arange(2)[
+        :, None, None, None])  # zeros past each sequence
+    at = inp.from_rows(routes, fill=-1)
+    first = at[..., 0, 0].tolist()
+    assert first == ([[0, 2, 4, 8, 10, -1, -1, -1]] if packed else [[0, 2, 4, -1], [8, 10, -1, -1]])
+    back = inp.to_rows(at, 4, column_0=True, fill=-1)
+    real = torch.arange(4)[None, :] < batch["input_lengths"][:, None]
+    assert torch.equal(back[real], routes[real]) and bool((back[~real] == -1).all())
+
+
 def test_padded_inputs_by_hand():
     batch = {"input_ids": torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]]), "input_lengths": torch.tensor([3, 2])}
     inp = model_inputs(batch, packed=False, multiple=2)

@@ -43,13 +43,17 @@ def _tied_aliases(model: torch.nn.Module) -> frozenset:
 
 
 def _record_router_logits(model: torch.nn.Module, recorder: RouterLogits) -> None:
-    """A forward hook on every MoE router (par.moe_routers: logits [N, E] of the layer's flattened [b, s]
-    positions) hands the logits to `recorder`."""
+    """A forward hook on every MoE router (par.moe_routers: logits [N, E] and top-k expert ids [N, k] of the
+    layer's flattened [b, s] positions) hands both to `recorder`."""
     routers = par.moe_routers(model)
     if not routers:
         raise RuntimeError(f"{type(model).__name__}: no MoE router (mlp.gate) to record the routing of")
+
+    def hook(module, args, out):
+        recorder.record(module, par.full_tensor(out[0]))
+        recorder.record_routes(module, par.full_tensor(out[2]))
     for router in routers:
-        router.register_forward_hook(lambda m, args, out: recorder.record(m, par.full_tensor(out[0])))
+        router.register_forward_hook(hook)
 
 
 class DTensorPolicyWorker(PolicyWorker):

@@ -19,6 +19,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors import safe_open
 from torch import nn
@@ -72,7 +73,8 @@ def _moe_config(spec: ModelSpec, mcfg) -> dict:
     False) is that function; without norm_topk_prob, pre_softmax (softmax over all, then the top k). Megatron's
     own load-balancing and z-losses stay off ("none", coefficients 0 / None): policy.megatron_cfg's router-loss
     keys are computed by backends/router.py with HF's definition (its docstring says why), from the logits
-    record_router_logits captures. The router runs in fp32. Token dispatch "alltoall" (gloo's all_to_all)."""
+    record_router_logits captures. The router runs in fp32. Token dispatch "alltoall" (gloo's all_to_all).
+    Every router has Megatron's RouterReplay (replay_routes; idle, it computes its own top k)."""
     if not spec.experts:
         return {}
     return dict(num_moe_experts=spec.experts, moe_router_topk=spec.experts_per_token,
@@ -80,13 +82,20 @@ def _moe_config(spec: ModelSpec, mcfg) -> dict:
                 moe_router_pre_softmax=not spec.moe_norm_topk, moe_router_dtype="fp32",
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
                 moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
-                expert_model_parallel_size=mcfg.expert_model_parallel_size)
+                expert_model_parallel_size=mcfg.expert_model_parallel_size,
+                moe_enable_routing_replay=True)
 
 
 def record_router_logits(model: nn.Module, recorder) -> None:
     """Every TopKRouter's gating (its fp32 logits [s, b, E]) also hands the logits, row by row as [b * s, E],
-    to `recorder` (backends/router.RouterLogits); the router's own routing reads them unchanged."""
+    to `recorder` (backends/router.RouterLogits), the router's own routing reading them unchanged; and its
+    output, the experts it dispatched each position to (routing_map [s * b, E]), as ids row by row [b * s, k]."""
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+    def record_routes(router, args, out):
+        s, b = args[0].shape[:2]  # the router's input [s, b, H]
+        chosen = out[1].reshape(s, b, -1).transpose(0, 1).reshape(s * b, -1)  # [b * s, E] bool
+        recorder.record_routes(router, torch.topk(chosen.float(), router.topk, dim=-1).indices)
 
     def wrap(router, gating):
         def recorded(hidden):
@@ -97,6 +106,28 @@ def record_router_logits(model: nn.Module, recorder) -> None:
 
     for router in routers:
         router.gating = wrap(router, router.gating)
+        router.register_forward_hook(record_routes)
+
+
+def replay_routes(routes: torch.Tensor) -> None:
+    """The next forward of every TopKRouter dispatches as `routes` [r, t, L, k] (expert ids per position and
+    MoE layer of this rank's stage, row by row; negative on positions never recorded, which go to experts
+    0..k-1) instead of its own top k: Megatron's RouterReplay (REPLAY_FORWARD), its gates still the softmax of
+    its own logits at those experts. Until stop_replay()."""
+    r, t, layers, k = routes.shape
+    routes = torch.where(routes < 0, torch.arange(k, device=routes.device), routes.long())
+    instances = RouterReplay.global_router_replay_instances
+    if len(instances) != layers:
+        raise RuntimeError(f"routing replay: routes of {layers} MoE layers for {len(instances)} routers")
+    RouterReplay.clear_global_indices()
+    RouterReplay.set_replay_data([routes[:, :, i].transpose(0, 1).reshape(t * r, k) for i in range(layers)])
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def stop_replay() -> None:
+    """Routers compute their own top k again; the replayed routes dropped."""
+    RouterReplay.clear_global_router_replay_action()
+    RouterReplay.clear_global_indices()
 
 
 def _softmax_scale(spec: ModelSpec):
@@ -113,6 +144,7 @@ def build_gpt(spec: ModelSpec, config, attention: str = "sdpa") -> nn.Module:
     """The GPTModel chunk of this rank's pipeline stage (scalar head on the last stage when spec.scalar_head).
     attention: the local spec's core attention, sdpa (attention.SDPAttention) or unfused (Megatron's own)."""
     post = ps.is_pipeline_last_stage()
+    RouterReplay.clear_global_router_replay_instances()  # per process; a restarted worker's were its last model's
     if spec.transformer_engine:  # fused norm + linear kernels; weights.py names the norms accordingly
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     else:

@@ -102,6 +102,7 @@ class MegatronPolicyWorker(PolicyWorker):
         if self.spec.experts:
             self.router = RouterLosses(m, self.spec.experts_per_token)
             mmodel.record_router_logits(model, self.router.recorder)
+        self.replay_routes = bool(self.spec.experts) and m.moe_router_replay != "none"
         self.rope_positions = mmodel.RotaryPositions(model)
         self.params = parameters_by_name(model)
         self.dist_opt = None  # MegatronDistributedOptimizer with use_distributed_optimizer (_make_optimizer)
@@ -206,11 +207,16 @@ class MegatronPolicyWorker(PolicyWorker):
             own_positions = inputs.packed or inputs.context is not None
             pos = inputs.position_ids if own_positions else torch.arange(ids.shape[1], device=ids.device)[None]
             mask = ~inputs.attention_mask if inputs.attention_mask is not None and inputs.packed else None
+            replay = self.router is not None and self.replay_routes and "routed_experts" in mb
             if self.router is not None:
                 self.router.recorder.start()
+            if replay:  # a training forward routes as recorded (policy.megatron_cfg.moe_router_replay)
+                mmodel.replay_routes(inputs.from_rows(mb["routed_experts"], -1))
             with self.rope_positions.use(inputs.position_ids if own_positions else None):
                 output = model(ids, pos.expand_as(ids), attention_mask=mask,
                                packed_seq_params=_attention_params(inputs))
+            if replay:
+                mmodel.stop_replay()
             return output, partial(closure, mb, inputs)
 
         def closure(mb, inputs, output):
