@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
 # metrics every rank computes alike (rank 0's are taken): averaged over a call's optimizer steps, or summed
 # the step's global values every rank has: rank 0's (the MoE load imbalance only for a Mixture-of-Experts model)
-RANK0_MEAN, RANK0_SUM = ("grad_norm", "lr", "micro_batches", "moe/load_imbalance"), ("skipped_steps",)
+RANK0_MEAN = ("grad_norm", "lr", "micro_batches", "moe/load_imbalance", "moe/routing_agreement",
+              "moe/router_topk_agreement")  # global values every rank reports: rank 0's, mean over the steps
+RANK0_SUM = ("skipped_steps",)
 
 
 def _check_keys(batch: dict[str, Any], keys, what: str) -> None:

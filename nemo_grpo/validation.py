@@ -237,14 +237,16 @@ def _validate_sequence_packing(p: PolicyConfig, prefix: str) -> None:
 
 
 def _validate_router_replay(p: PolicyConfig, prefix: str) -> None:
-    """policy.megatron_cfg.moe_router_replay: a known mode, built (old_policy), on the megatron back end, and not
-    with activation checkpointing (the recomputed forward would need the routes a second time)."""
+    """policy.megatron_cfg.moe_router_replay: a known mode (engine: with the torch engine, the one that records
+    routes), on the megatron back end, and not with activation checkpointing (the recomputed forward would need
+    the routes a second time)."""
     m, key = p.megatron_cfg, f"{prefix}.megatron_cfg.moe_router_replay"
     _choice(m.moe_router_replay, key, ["none", "old_policy", "engine"])
     if m.moe_router_replay == "none":
         return
-    _need(m.moe_router_replay != "engine", key, "engine (R3: the generation engine's routes replayed in training) "
-          "is not built yet: neither engine returns the routes of what it generates; use old_policy (R2)")
+    _need(m.moe_router_replay != "engine" or p.generation.backend == "torch", key, "engine (R3: the generation "
+          "engine's routes replayed in training) needs the torch engine (policy.generation.backend=torch), which "
+          "records them; vLLM returns none here (its CPU build refuses enable_return_routed_experts)")
     _need(p.backend == "megatron", key, f"{m.moe_router_replay}: routing replay is built on the megatron back end "
           f"only; set {prefix}.backend=megatron or {key}=none")
     _need(not m.activation_checkpointing, key, f"{m.moe_router_replay}: not with "

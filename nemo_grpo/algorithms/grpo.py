@@ -225,7 +225,7 @@ class GRPOTrainer:
             mask = loss_mask(data["token_mask"], data["sample_mask"])  # [N, T]
             with self.timer.time("logprobs"):
                 rows = self.policy.ship(data)  # the step's rows, once for the three calls
-                computed = self._prev_logprobs(rows)
+                computed = self._prev_logprobs(rows, batch)
                 if cfg.loss_fn.reference_policy_kl_penalty > 0:
                     computed["reference_policy_logprobs"] = self.policy.get_reference_logprobs(rows)
             computed["advantages"], adv_metrics = self._advantages({**data, **computed}, mask, rollouts.rewards,
@@ -246,14 +246,23 @@ class GRPOTrainer:
         self.state.consumed_prompts += rollouts.prompts_drawn
         return metrics
 
-    def _prev_logprobs(self, rows) -> dict[str, Any]:
-        """{"prev_logprobs": [N, T]} of the current weights; with routing replay (policy.megatron_cfg.
-        moe_router_replay old_policy) also "routed_experts" [N, T, L, k], which the training forward replays."""
+    def _prev_logprobs(self, rows, batch: dict[str, Any]) -> dict[str, Any]:
+        """{"prev_logprobs": [N, T]} of the current weights, and the routes [N, T, L, k] the training forward
+        replays (policy.megatron_cfg.moe_router_replay) or, without replay, measures its routing against
+        (backends/router.py's agreement metrics): recorded by this log-prob pass (old_policy), else the
+        engine's (batch "routed_experts", from an engine that records them)."""
         policy_cfg = self.cfg.policy
-        if policy_cfg.backend == "megatron" and policy_cfg.megatron_cfg.moe_router_replay == "old_policy":
+        replay = policy_cfg.megatron_cfg.moe_router_replay if policy_cfg.backend == "megatron" else "none"
+        if replay == "old_policy":
             logprobs, routes = self.policy.get_logprobs(rows, return_routes=True)
             return {"prev_logprobs": logprobs, "routed_experts": routes}
-        return {"prev_logprobs": self.policy.get_logprobs(rows)}
+        if replay == "engine" and "routed_experts" not in batch:
+            raise RuntimeError("policy.megatron_cfg.moe_router_replay=engine: the generation engine returned no "
+                               f"routes ({type(self.engine).__name__}); use the torch engine")
+        computed = {"prev_logprobs": self.policy.get_logprobs(rows)}
+        if "routed_experts" in batch:
+            computed["routed_experts"] = batch["routed_experts"]
+        return computed
 
     def _next_rollouts(self, step: int) -> tuple[Rollouts, dict[str, float]]:
         """Step `step`'s rollouts: generated now (synchronous GRPO), or taken from the async collector, dropping

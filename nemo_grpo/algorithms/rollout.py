@@ -36,6 +36,9 @@ class Sample:
     stop_strings: Optional[list[str]] = None
     turns: int = 0
     text: str = field(default="")
+    # from an engine that records them (GenerationOutput.routed_experts): [len(token_ids), L, k] int16, -1 where
+    # the engine ran no forward (the last sampled token, the environment's tokens after it)
+    routed_experts: Optional[torch.Tensor] = None
 
 
 def prompt_text(s: Sample) -> str:
@@ -80,6 +83,7 @@ def _generate_turn(samples: list[Sample], engine, tokenizer, max_new_tokens: int
         s.token_ids += out.token_ids
         s.token_mask += [1.0] * len(out.token_ids)
         s.generation_logprobs += out.logprobs
+        s.routed_experts = out.routed_experts  # the call's whole context: every earlier turn's tokens too
         s.response_length += len(out.token_ids)
         s.truncated = out.finish_reason == "length"
         s.text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -110,6 +114,9 @@ def _step_environments(active: list[Sample], task_to_env: dict, tokenizer, last_
             s.token_ids += obs_ids
             s.token_mask += [0.0] * len(obs_ids)
             s.generation_logprobs += [0.0] * len(obs_ids)
+            if s.routed_experts is not None:
+                r = s.routed_experts
+                s.routed_experts = torch.cat([r, r.new_full((len(obs_ids), *r.shape[1:]), -1)])
             if ret.next_stop_strings[i] is not None:
                 s.stop_strings = ret.next_stop_strings[i]
 
@@ -157,7 +164,8 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, Any]:
     """Samples -> the training batch dict (right-padded tensors; see backends' data contract).
 
     input_ids [N, T], input_lengths [N], token_mask [N, T], generation_logprobs [N, T], truncated [N] bool,
-    response_lengths [N]. (Rewards stay on the samples, raw; the trainer's Rollouts hold them scaled and shaped.)
+    response_lengths [N]; routed_experts [N, T, L, k] int16 (-1 where none) when every sample has the engine's
+    routes. (Rewards stay on the samples, raw; the trainer's Rollouts hold them scaled and shaped.)
     """
     n, t = len(samples), max(len(s.token_ids) for s in samples)
     batch = {
@@ -173,4 +181,9 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, Any]:
     batch["input_lengths"] = torch.tensor([len(s.token_ids) for s in samples])
     batch["truncated"] = torch.tensor([s.truncated for s in samples])
     batch["response_lengths"] = torch.tensor([s.response_length for s in samples])
+    if all(s.routed_experts is not None for s in samples):
+        shape = samples[0].routed_experts.shape[1:]
+        batch["routed_experts"] = torch.full((n, t, *shape), -1, dtype=torch.int16)
+        for i, s in enumerate(samples):
+            batch["routed_experts"][i, :len(s.token_ids)] = s.routed_experts
     return batch

@@ -34,7 +34,8 @@ share's (the router-loss coefficients are refused there).
   "moe/routing_agreement", the share of the recorded (position, layer) choices that the training forward routed
   to (1.0 under routing replay, which makes the forward route as recorded), and "moe/router_topk_agreement",
   the same share for the router's own top-k of its logits (what it would route to without replay). Over the
-  real positions of the step's global batch, sum over positions and layers of |recorded & chosen| / (n L k).
+  real positions of the step's global batch that have recorded routes (an engine's lack the last sampled token):
+  sum over those positions and layers of |recorded & chosen| / (n L k), n those positions.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def load_imbalance(counts: torch.Tensor) -> float:
 
 def routing_matches(chosen: list[torch.Tensor], recorded: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """How many recorded choices were chosen again: chosen, per layer [N, k] expert ids; recorded [N, L, k]
-    (-1: none); real [N] bool. Sum over the real positions and layers of |recorded & chosen|, a float scalar."""
+    (-1: none); real [N] bool (the positions to count). Sum over them and the layers of |recorded & chosen|, a
+    float scalar."""
     hits = sum(((c[:, :, None] == recorded[:, layer, None, :].long()).any(-1).sum(-1) * real).sum()
                for layer, c in enumerate(chosen))
     return torch.as_tensor(hits, dtype=torch.float32)
@@ -151,10 +153,11 @@ class RouterLosses:
         self.recorder = RouterLogits()
         self.step_tokens = 1.0
         self.counts: Optional[torch.Tensor] = None  # [L, E], this rank's so far this step
+        self.agreement: Optional[torch.Tensor] = None  # [3]: matches dispatched, matches of the own top k, choices
 
     def start_step(self, step_tokens: float) -> None:
         """step_tokens: the real tokens of the step's global batch (all micro-batches and DP ranks)."""
-        self.step_tokens, self.counts = float(step_tokens), None
+        self.step_tokens, self.counts, self.agreement = float(step_tokens), None, None
 
     def add(self, real: torch.Tensor, metrics: dict, recorded: Optional[torch.Tensor] = None) -> torch.Tensor:
         """real [r, t]: the real-token mask of the positions the forward saw; recorded [r, t, L, k]: the routes
@@ -163,8 +166,7 @@ class RouterLosses:
         if not logits:
             raise RuntimeError("router losses: the training forward recorded no router logits")
         if recorded is not None:
-            self._add_agreement(logits, routes, recorded.reshape(real.shape[0], *recorded.shape[-2:]), real,
-                                metrics)
+            self._add_agreement(logits, routes, recorded.reshape(real.shape[0], *recorded.shape[-2:]), real)
         share = real.sum() / self.step_tokens
         aux = load_balancing_loss(logits, real, self.top_k) * share
         metrics["moe/aux_loss"] = aux.detach()
@@ -178,22 +180,32 @@ class RouterLosses:
         return term
 
     def _add_agreement(self, logits: list[torch.Tensor], routes: list[torch.Tensor], recorded: torch.Tensor,
-                       real: torch.Tensor, metrics: dict) -> None:
-        """The micro-batch's shares of "moe/routing_agreement" (the routes dispatched) and
-        "moe/router_topk_agreement" (the top-k of the router's logits); recorded [N, L, k]."""
+                       real: torch.Tensor) -> None:
+        """The micro-batch's matches of the recorded routes [N, L, k], dispatched (routes) and of the router's own
+        top k (logits), over its real positions that have recorded routes; summed into self.agreement."""
         if len(routes) != len(logits):
             raise RuntimeError(f"routing agreement: {len(routes)} layers' routes recorded for {len(logits)} routers")
-        whole = self.step_tokens * len(logits) * self.top_k
+        counted = real & (recorded >= 0).all(-1).all(-1)  # [N]
         own = [torch.topk(x.detach().float(), self.top_k, dim=-1).indices for x in logits]
-        metrics["moe/routing_agreement"] = routing_matches(routes, recorded, real) / whole
-        metrics["moe/router_topk_agreement"] = routing_matches(own, recorded, real) / whole
+        part = torch.stack([routing_matches(routes, recorded, counted).to(counted.device),
+                            routing_matches(own, recorded, counted).to(counted.device),
+                            counted.sum().float() * len(logits) * self.top_k])
+        self.agreement = part if self.agreement is None else self.agreement + part
 
     def step_metrics(self, group) -> dict[str, float]:
         """Collective over `group` (the data-parallel ranks): the step's load imbalance."""
-        counts = self.counts
-        if group is not None and dist.get_world_size(group) > 1:
+        counts, reduce = self.counts, group is not None and dist.get_world_size(group) > 1
+        if reduce:
             dist.all_reduce(counts, group=group)
-        return {"moe/load_imbalance": load_imbalance(counts)}
+        out = {"moe/load_imbalance": load_imbalance(counts)}
+        if self.agreement is not None:  # every rank's micro-batches carried routes (the train call's column)
+            agreement = self.agreement.clone()
+            if reduce:
+                dist.all_reduce(agreement, group=group)
+            whole = float(agreement[2].clamp(min=1))
+            out.update({"moe/routing_agreement": float(agreement[0]) / whole,
+                        "moe/router_topk_agreement": float(agreement[1]) / whole})
+        return out
 
 
 def validate_router_losses(p, prefix: str = "policy") -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import ray
+import torch
 
 from nemo_grpo.weights.receiver import WeightReceiver
 from nemo_grpo.weights.refit import Receivers
@@ -19,6 +20,10 @@ class GenerationOutput:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (EOS, stop token or stop string) | "length" (max_new_tokens reached)
+    # a Mixture-of-Experts model, from an engine that records it (the torch engine): the experts each position of
+    # prompt + response was routed to, [len(prompt) + len(token_ids), L, k] int16, -1 where the engine ran no
+    # forward (the last sampled token)
+    routed_experts: Optional[torch.Tensor] = None
 
 
 class GenerationEngine(ABC):

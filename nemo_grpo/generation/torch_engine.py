@@ -3,6 +3,8 @@
 The fallback when vLLM is not installed, and fast enough for tiny models on a CPU. Sampling applies
 temperature, top-k and top-p; the reported log-prob of each sampled token is taken from the distribution it
 was sampled from (temperature-scaled and truncated), which is what the policy's log-probs are compared to.
+For a Mixture-of-Experts model it also records the experts every position was routed to (GenerationOutput
+.routed_experts), from forward hooks on the routers: what routing replay from the engine replays in training.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput
+from nemo_grpo.models.experts import moe_routers
 from nemo_grpo.weights.receiver import WeightReceiver
 
 
@@ -42,6 +45,9 @@ class TorchGenerationWorker:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stop_ids = {self.tokenizer.eos_token_id, *(cfg.stop_token_ids or [])} - {None}
+        self.routes: list[torch.Tensor] = []  # per MoE layer, the top-k expert ids [N, k] of the last forward
+        for router in moe_routers(self.model):
+            router.register_forward_hook(lambda m, args, out: self.routes.append(out[2]))
 
     # WeightSink (weights/protocols.py)
     def weight_names(self) -> set[str]:
@@ -85,9 +91,15 @@ class TorchGenerationWorker:
             return self._sample(prompts, greedy, seed, stop_strings, max_new_tokens)
 
     def _forward(self, **inputs):
-        """One forward step of the sampling loop (a refit may land between two)."""
+        """One forward step of the sampling loop (a refit may land between two): (model output, the routes of the
+        [B, S] positions it ran, [B, S, L, k] int16, or None for a dense model)."""
+        self.routes = []
         with self.weight_receiver.model_turn():
-            return self.model(**inputs, use_cache=True)
+            out = self.model(**inputs, use_cache=True)
+        if not self.routes:
+            return out, None
+        b, s = inputs["input_ids"].shape
+        return out, torch.stack(self.routes, dim=1).reshape(b, s, len(self.routes), -1).to(torch.int16)
 
     def _sample(self, prompts, greedy, seed, stop_strings, max_new_tokens):
         cfg = self.cfg
@@ -102,7 +114,9 @@ class TorchGenerationWorker:
         for i, p in enumerate(prompts):  # left padding: the newest token of every row is in the last column
             ids[i, P - len(p):] = torch.tensor(p)
             mask[i, P - len(p):] = 1
-        out = self._forward(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        out, routes = self._forward(input_ids=ids, attention_mask=mask,
+                                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        routed = None if routes is None else [[routes[i, P - len(p):]] for i, p in enumerate(prompts)]
         tokens, logprobs = [[] for _ in range(B)], [[] for _ in range(B)]
         done = torch.zeros(B, dtype=torch.bool)
         reasons = ["length"] * B
@@ -121,9 +135,26 @@ class TorchGenerationWorker:
             if bool(done.all()) or step == max_new - 1:
                 break
             mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
-            out = self._forward(input_ids=nxt[:, None], attention_mask=mask, past_key_values=out.past_key_values,
-                                position_ids=(mask.sum(-1, keepdim=True) - 1))
-        return [GenerationOutput(t, lp, r) for t, lp, r in zip(tokens, logprobs, reasons)]
+            out, routes = self._forward(input_ids=nxt[:, None], attention_mask=mask,
+                                        past_key_values=out.past_key_values,
+                                        position_ids=(mask.sum(-1, keepdim=True) - 1))
+            for i in range(B) if routed is not None else ():
+                if len(tokens[i]) == step + 1:  # row i sampled at this step: the forward ran its token
+                    routed[i].append(routes[i])
+        outputs = [GenerationOutput(t, lp, r) for t, lp, r in zip(tokens, logprobs, reasons)]
+        if routed is not None:
+            _attach_routes(outputs, prompts, routed)
+        return outputs
+
+
+def _attach_routes(outputs: list[GenerationOutput], prompts: list[list[int]], routed: list[list[torch.Tensor]]
+                   ) -> None:
+    """Each output's routed_experts [len(prompt) + len(token_ids), L, k]: the routes of the positions its forwards
+    ran (routed[i]: the prompt's [len(prompt), L, k], then one [L, k] per token fed back), -1 after them."""
+    for out, prompt, parts in zip(outputs, prompts, routed):
+        ran = torch.cat([p.reshape(-1, *p.shape[-2:]) for p in parts])
+        missing = len(prompt) + len(out.token_ids) - ran.shape[0]
+        out.routed_experts = torch.cat([ran, ran.new_full((missing, *ran.shape[1:]), -1)])
 
 
 class TorchGeneration(GenerationEngine):

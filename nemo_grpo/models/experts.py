@@ -12,6 +12,7 @@ import re
 from typing import Callable, Iterable, Iterator
 
 import torch
+from torch import nn
 
 FUSED = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 PER_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.\d+\.(gate|up|down)_proj\.weight$")
@@ -49,3 +50,10 @@ def read_fused_experts(name: str, experts: range, get: Callable[[str], torch.Ten
         return torch.stack([get(f"{m['prefix']}.{e}.down_proj.weight") for e in experts])
     return torch.stack([torch.cat([get(f"{m['prefix']}.{e}.{x}_proj.weight") for x in ("gate", "up")])
                         for e in experts])
+
+
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The Mixture-of-Experts routers of an HF model in layer order (`mlp.gate`, e.g. Qwen3MoeTopKRouter: its output
+    is (logits [N, E], top-k weights [N, k], top-k expert ids [N, k]) of the layer's flattened positions); [] for a
+    dense model."""
+    return [m for n, m in model.named_modules() if n.endswith(".mlp.gate") and type(m).__name__.endswith("Router")]

@@ -80,6 +80,28 @@ def test_stop_token_and_length_reasons(ray_cluster, tiny_model_dir):
     stopping.shutdown()
 
 
+def test_moe_routes_are_the_routers_top_k(engine, tiny_model_dir):
+    """A Mixture-of-Experts model: each output carries the experts every position of prompt + response was routed
+    to (left-padded prompts of three lengths, rows that run out at different steps), HF's top-k of the same
+    tokens in each layer, and -1 where no forward ran (the last sampled token); a dense model's carry none."""
+    path = tiny_model_dir("qwen3_moe")
+    eng = TorchGeneration(GenerationConfig(max_new_tokens=6, stop_token_ids=[20]), path, ClusterConfig())
+    outs = eng.generate(PROMPTS, seed=3)
+    eng.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    for prompt, out in zip(PROMPTS, outs):
+        seq = prompt + out.token_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([seq]), output_router_logits=True).router_logits  # per layer [S, E]
+        hf = torch.stack([torch.topk(x, 2).indices for x in logits], dim=1)  # [S, L, k]
+        routes = out.routed_experts
+        assert routes.dtype == torch.int16 and routes.shape == (len(seq), 2, 2)
+        assert torch.equal(routes[:-1].long().sort(-1).values, hf[:-1].sort(-1).values)
+        assert bool((routes[-1] == -1).all()) or out.finish_reason == "stop"
+    assert len({len(o.token_ids) for o in outs}) > 1 or any(o.finish_reason == "stop" for o in outs)
+    assert engine.generate(PROMPTS[:1], greedy=True)[0].routed_experts is None  # the dense model
+
+
 def test_top_p_and_top_k_filter():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     kept = torch.isfinite(filter_logits(logits, None, 0.7))

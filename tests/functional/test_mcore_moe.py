@@ -97,14 +97,16 @@ def test_routing_replay_routes_as_recorded(policy_pool, tiny_model_dir):
     assert max_diff(results["none/one step"], start) > 1e-3
 
 
-def test_grpo_replays_the_old_policys_routes(ray_cluster, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("replay", ["old_policy", "engine"])
+def test_grpo_replays_the_recorded_routes(ray_cluster, tiny_model_dir, tmp_path, replay):
     """Two GRPO steps of the default recipe on the tiny Qwen3-MoE, Megatron dp 2 with moe_router_replay old_policy
-    and the torch engine, two optimizer steps per GRPO step: each training forward routes as the step's log-prob
-    pass recorded (moe/routing_agreement 1.0, also after the first optimizer step), the router's own agreement
-    is logged beside it, and refit keeps the engine on the policy's weights (token_mult_prob_error 1.0)."""
+    (R2: the routes of the step's log-prob pass) or engine (R3: the torch engine's, recorded while it generated),
+    two optimizer steps per GRPO step: each training forward routes as recorded (moe/routing_agreement 1.0, also
+    after the first optimizer step), the router's own agreement is logged beside it, and refit keeps the engine
+    on the policy's weights (token_mult_prob_error 1.0)."""
     path = tiny_model_dir("qwen3_moe")
     train_in_process(tmp_path, f"policy.model_name={path}", "policy.backend=megatron",
-                     "policy.megatron_cfg.moe_router_replay=old_policy", "policy.generation.backend=torch",
+                     f"policy.megatron_cfg.moe_router_replay={replay}", "policy.generation.backend=torch",
                      "policy.train_global_batch_size=64", "grpo.max_num_steps=2", "grpo.val_at_start=false",
                      "checkpointing.enabled=false")
     train = read_metrics(f"{tmp_path}/logs", "train")

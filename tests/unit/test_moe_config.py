@@ -117,7 +117,8 @@ def test_moe_parameter_counts_match_the_published_models(name, total, active):
 
 @pytest.mark.parametrize("overrides,message", [
     ({"megatron_cfg.moe_router_replay": "R2"}, "got 'R2'; allowed: none, old_policy, engine"),
-    ({"megatron_cfg.moe_router_replay": "engine"}, "engine .* is not built yet: neither engine returns the routes"),
+    ({"megatron_cfg.moe_router_replay": "engine", "generation.backend": "vllm"},
+     "engine .* needs the torch engine \\(policy.generation.backend=torch\\)"),
     ({"megatron_cfg.moe_router_replay": "old_policy", "backend": "dtensor"},
      "built on the megatron back end only; set policy.backend=megatron"),
     ({"megatron_cfg.moe_router_replay": "old_policy", "megatron_cfg.activation_checkpointing": True},

@@ -113,21 +113,22 @@ def test_router_loss_keys_are_checked(backend, overrides, key, message):
 
 
 def test_routing_agreement_by_hand():
-    """Two positions (the second padding), two layers, k = 2: the recorded sets {0, 1} / {2, 3} and {4, 5} /
-    {6, 7}; layer 0 chose {1, 0} (2 of 2, order aside), layer 1 {4, 3} (1 of 2); the padding never counts."""
-    recorded = torch.tensor([[[0, 1], [4, 5]], [[2, 3], [6, 7]]])  # [N, L, k]
-    chosen = [torch.tensor([[1, 0], [2, 3]]), torch.tensor([[4, 3], [6, 7]])]  # per layer [N, k]
-    real = torch.tensor([True, False])
+    """Three positions (the second padding, the third without recorded routes: neither counts), two layers, k = 2:
+    the recorded sets {0, 1} / {4, 5} at the first position; layer 0 chose {1, 0} (2 of 2, order aside), layer 1
+    {4, 3} (1 of 2), while the router's own top 2 were {0, 1} and {3, 5}."""
+    recorded = torch.tensor([[[0, 1], [4, 5]], [[2, 3], [6, 7]], [[-1, -1], [-1, -1]]])  # [N, L, k]
+    chosen = [torch.tensor([[1, 0], [2, 3], [0, 1]]), torch.tensor([[4, 3], [6, 7], [0, 1]])]  # per layer [N, k]
+    real = torch.tensor([True, False, True])
     assert float(routing_matches(chosen, recorded, real)) == 3.0
     losses = RouterLosses(PolicyConfig().dtensor_cfg, top_k=2)
-    losses.start_step(step_tokens=1)
-    logits = [torch.tensor([[5.0, 4, 0, 0, 0, 0, 0, 0]] * 2), torch.tensor([[0.0, 0, 0, 9, 0, 8, 0, 0]] * 2)]
+    losses.start_step(step_tokens=2)
+    logits = [torch.tensor([[5.0, 4, 0, 0, 0, 0, 0, 0]] * 3), torch.tensor([[0.0, 0, 0, 9, 0, 8, 0, 0]] * 3)]
     losses.recorder.start()
-    for layer, (x, c) in enumerate(zip(logits, chosen)):
+    for x, c in zip(logits, chosen):
         module = torch.nn.Linear(1, 1)  # in training mode, as a router in a training forward
         losses.recorder.record(module, x)
         losses.recorder.record_routes(module, c)
-    metrics = {}
-    losses.add(real[None], metrics, recorded=recorded[None])  # [r = 1, t = 2, L, k]
-    assert float(metrics["moe/routing_agreement"]) == pytest.approx(3 / 4)  # of 1 token x 2 layers x k 2
-    assert float(metrics["moe/router_topk_agreement"]) == pytest.approx(3 / 4)  # top 2: {0, 1}, {3, 5}
+    losses.add(real[None], {}, recorded=recorded[None])  # [r = 1, t = 3, L, k]
+    metrics = losses.step_metrics(group=None)
+    assert metrics["moe/routing_agreement"] == pytest.approx(3 / 4)  # of 1 position x 2 layers x k 2
+    assert metrics["moe/router_topk_agreement"] == pytest.approx(3 / 4)

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from nemo_grpo.models.experts import moe_routers
 from nemo_grpo.models.spec import check_divisible
 
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -50,12 +51,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         raise ValueError(f"{type(model).__name__}: no decoder layers at base_model.layers; the dtensor back end "
                          "supports Llama / Qwen2 / Qwen3-style models")
     return layers
-
-
-def moe_routers(model: nn.Module) -> list[nn.Module]:
-    """The Mixture-of-Experts routers of an HF model (`mlp.gate`, e.g. Qwen3MoeTopKRouter: its output starts with
-    the logits [N, E] of the layer's flattened positions); [] for a dense model."""
-    return [m for n, m in model.named_modules() if n.endswith(".mlp.gate") and type(m).__name__.endswith("Router")]
 
 
 def tp_plan(model: nn.Module) -> dict:

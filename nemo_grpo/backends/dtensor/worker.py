@@ -29,6 +29,7 @@ from nemo_grpo.backends.model_inputs import ModelInputs
 from nemo_grpo.backends.router import RouterLogits, RouterLosses
 from nemo_grpo.backends.worker import PolicyWorker
 from nemo_grpo.models import lora
+from nemo_grpo.models.experts import moe_routers
 from nemo_grpo.weights.transfer import TensorSpec
 
 
@@ -43,9 +44,9 @@ def _tied_aliases(model: torch.nn.Module) -> frozenset:
 
 
 def _record_router_logits(model: torch.nn.Module, recorder: RouterLogits) -> None:
-    """A forward hook on every MoE router (par.moe_routers: logits [N, E] and top-k expert ids [N, k] of the
+    """A forward hook on every MoE router (moe_routers: logits [N, E] and top-k expert ids [N, k] of the
     layer's flattened [b, s] positions) hands both to `recorder`."""
-    routers = par.moe_routers(model)
+    routers = moe_routers(model)
     if not routers:
         raise RuntimeError(f"{type(model).__name__}: no MoE router (mlp.gate) to record the routing of")
 
