@@ -2,8 +2,8 @@
 MoELayer (TopKRouter, SequentialMLP experts, alltoall token dispatch over gloo) against the single-process
 Hugging Face model, in one process, at DP=2 (experts replicated), at expert parallelism 2 (dp 2 x ep 2: each
 rank holds 4 of the 8 experts, tokens exchanged all-to-all) and at dp 4 x ep 2 (each expert on two ranks, its
-gradient summed over the expert-data-parallel group); Megatron-Core's distributed optimizer at DP=2 and dp 2 x
-ep 2 (a dense and an expert DistributedOptimizer). One optimizer step per policy: routing is
+gradient summed over the expert-data-parallel group); Megatron-Core's distributed optimizer at DP=2, dp 2 x ep 2
+and dp 4 x ep 2 (a dense and an expert DistributedOptimizer). One optimizer step per policy: routing is
 discontinuous, so after a step the layouts' float differences may flip a near-tied top-k choice (see
 test_dtensor_policy.py::test_qwen3_moe_matches_hf).
 """
