@@ -135,11 +135,10 @@ def check_expert_split(experts: int, ep: int, megatron_key: str, model: str) -> 
         raise ConfigError(f"config key '{key}': {ep} does not divide the model's {experts} experts")
 
 
-def megatron_moe_unbuilt(experts: int, megatron_key: str, model: str, tp: int, pp: int,
-                         distributed_optimizer: bool) -> list[str]:
+def megatron_moe_unbuilt(experts: int, megatron_key: str, model: str, tp: int, pp: int) -> list[str]:
     """What the Megatron back end does not build yet for a Mixture-of-Experts model (one message per key, each
-    naming it); [] for a dense model or a layout it builds (tp = pp = 1, no distributed optimizer). Training
-    refuses these; the planner sizes them (as Megatron-Core lays them out) and says so in a note."""
+    naming it); [] for a dense model or a layout it builds (tp = pp = 1). Training refuses these; the planner
+    sizes them (as Megatron-Core lays them out) and says so in a note."""
     if not experts:
         return []
     key, out = megatron_key + ".", []
@@ -149,21 +148,16 @@ def megatron_moe_unbuilt(experts: int, megatron_key: str, model: str, tp: int, p
                        f"({model}: {experts} experts) at tensor and pipeline parallel size 1 only so far: "
                        f"split the experts with {key}expert_model_parallel_size, or use "
                        f"{megatron_key.rpartition('.')[0]}.backend=dtensor (FSDP2 + TP on attention)")
-    if distributed_optimizer:
-        out.append(f"config key '{key}use_distributed_optimizer': not with a Mixture-of-Experts model yet (its "
-                   "expert gradients would need their own buckets, reduced over the expert-data-parallel group); "
-                   "set it to false")
     return out
 
 
-def check_megatron_experts(cfg, megatron_key: str, model: str, tp: int, pp: int, ep: int,
-                           distributed_optimizer: bool = False) -> None:
+def check_megatron_experts(cfg, megatron_key: str, model: str, tp: int, pp: int, ep: int) -> None:
     """What the Megatron back end builds of a model's experts, a ConfigError naming the key otherwise
     (`megatron_key`: e.g. policy.megatron_cfg): MoE at tensor_model_parallel_size 1 and
-    pipeline_model_parallel_size 1 without the distributed optimizer (tested so far; the experts are not split
-    over TP), with an expert_model_parallel_size that divides the experts; 1 for a dense model."""
+    pipeline_model_parallel_size 1 (tested so far; the experts are not split over TP), with an
+    expert_model_parallel_size that divides the experts; 1 for a dense model."""
     experts = moe_experts(cfg)
-    unbuilt = megatron_moe_unbuilt(experts, megatron_key, model, tp, pp, distributed_optimizer)
+    unbuilt = megatron_moe_unbuilt(experts, megatron_key, model, tp, pp)
     if unbuilt:
         raise ConfigError(unbuilt[0])
     check_expert_split(experts, ep, megatron_key, model)

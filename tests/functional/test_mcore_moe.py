@@ -2,7 +2,8 @@
 MoELayer (TopKRouter, SequentialMLP experts, alltoall token dispatch over gloo) against the single-process
 Hugging Face model, in one process, at DP=2 (experts replicated), at expert parallelism 2 (dp 2 x ep 2: each
 rank holds 4 of the 8 experts, tokens exchanged all-to-all) and at dp 4 x ep 2 (each expert on two ranks, its
-gradient summed over the expert-data-parallel group). One optimizer step per policy: routing is
+gradient summed over the expert-data-parallel group); Megatron-Core's distributed optimizer at DP=2, dp 2 x ep 2
+and dp 4 x ep 2 (a dense and an expert DistributedOptimizer). One optimizer step per policy: routing is
 discontinuous, so after a step the layouts' float differences may flip a near-tied top-k choice (see
 test_dtensor_policy.py::test_qwen3_moe_matches_hf).
 """
@@ -22,6 +23,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # local_experts
 ROUTER = {"megatron_cfg.moe_router_load_balancing_type": "aux_loss", "megatron_cfg.moe_aux_loss_coeff": 0.1,
           "megatron_cfg.moe_z_loss_coeff": 0.01}
 EP2 = {"megatron_cfg.expert_model_parallel_size": 2, **ROUTER}
+DISTOPT = {"megatron_cfg.use_distributed_optimizer": True}
 
 
 @pytest.mark.parametrize("layout,extra", [("tp1", ROUTER), ("dp2", ROUTER), ("dp2", EP2)], ids=["tp1", "dp2", "ep2"])
@@ -53,14 +55,51 @@ def test_ep2_checkpoint_resumes_in_one_process(policy_pool, tiny_model_dir, tmp_
                                  make_batch(4, seed=3), str(tmp_path / "ckpt"))
 
 
-def test_ep2_dp4_sums_expert_gradients_over_expert_data_parallel(policy_pool, tiny_model_dir):
-    """dp 4 x ep 2 on 4 ranks: each expert lives on two ranks (expert-data-parallel group of 2), whose gradients
-    are summed over that group, the shared weights' over all 4; the single-process step and norm."""
+@pytest.mark.parametrize("extra", [ROUTER, EP2], ids=["dp2", "ep2"])
+def test_distributed_optimizer_matches_hf_and_resumes_in_one_process(policy_pool, tiny_model_dir, tmp_path, extra):
+    """The distributed optimizer: at DP=2 one DistributedOptimizer shards every parameter (the experts too) over
+    the DP group; at dp 2 x ep 2 a second one holds each rank's 4 experts (expert-data-parallel group of 1).
+    One step is the single-process HF step with the same pre-clip norm (each expert counted once); its checkpoint
+    (main weights and Adam moments gathered over DP, expert-DP and EP) loads in one process without it and takes
+    the same next step."""
     path = tiny_model_dir("qwen3_moe")
-    cfg = policy_config(path, backend="megatron", **EP2)
+    with megatron_policy(policy_pool, path, "dp2", **extra, **DISTOPT) as policy:
+        check_train_parity(policy, path, make_batch(4, seed=1))
+        ep = extra.get("megatron_cfg.expert_model_parallel_size", 1)
+        assert_sharded_once(policy, path, [2, 1][:ep])
+        check_checkpoint_resumes(policy, lambda: megatron_policy(policy_pool, path, "tp1", **ROUTER),
+                                 make_batch(4, seed=3), str(tmp_path / "ckpt"))
+
+
+def assert_sharded_once(policy, path: str, sizes: list[int]) -> None:
+    """Every worker's DistributedOptimizers (the dense one, then the experts') shard over groups of `sizes`, and
+    every parameter element of the model has its fp32 main and optimizer state on exactly one rank."""
+    shards = policy.group.run_all("__ray_call__", optimizer_shards)
+    assert [[size for size, _ in rank] for rank in shards] == [sizes] * policy.group.world_size
+    assert sum(n for rank in shards for _, n in rank) == sum(p.numel() for p in load_hf(path).parameters())
+
+
+def optimizer_shards(worker) -> list[tuple[int, int]]:
+    """Per DistributedOptimizer of a worker: the size of the group it shards over and the elements of this rank's
+    fp32 main shards."""
+    return [(opt.data_parallel_group.size(), sum(main.numel() for group in opt.shard_fp32_groups
+                                                 + opt.shard_fp32_from_float16_groups for main in group))
+            for opt in worker.dist_opt.optimizers]
+
+
+@pytest.mark.parametrize("distopt", [False, True], ids=["ddp", "distopt"])
+def test_ep2_dp4_sums_expert_gradients_over_expert_data_parallel(policy_pool, tiny_model_dir, distopt):
+    """dp 4 x ep 2 on 4 ranks: each expert lives on two ranks (expert-data-parallel group of 2), whose gradients
+    are summed over that group, the shared weights' over all 4; the single-process step and norm. With the
+    distributed optimizer the experts' main weights and Adam state are sharded over that group of 2, the rest
+    over all 4."""
+    path = tiny_model_dir("qwen3_moe")
+    cfg = policy_config(path, backend="megatron", **EP2, **{"megatron_cfg.use_distributed_optimizer": distopt})
     with policy_pool.policy(cfg, FOUR, path) as policy:
         assert policy.group.run_all("__ray_call__", local_experts) == [4] * 4
         check_train_parity(policy, path, make_batch(4, seed=2))  # one row per rank, one step
+        if distopt:
+            assert_sharded_once(policy, path, [4, 2])
 
 
 def test_routing_replay_routes_as_recorded(policy_pool, tiny_model_dir):

@@ -35,6 +35,8 @@ def test_both_back_ends_take_moe(tmp_path):
     validate_model_layout(PolicyConfig(model_name=str(tmp_path), backend="dtensor"), str(tmp_path))
     validate_model_layout(_megatron(tmp_path), str(tmp_path))
     validate_model_layout(_megatron(tmp_path, **{"megatron_cfg.expert_model_parallel_size": 8}), str(tmp_path))
+    validate_model_layout(_megatron(tmp_path, **{"megatron_cfg.expert_model_parallel_size": 2,
+                                                 "megatron_cfg.use_distributed_optimizer": True}), str(tmp_path))
 
 
 @pytest.mark.parametrize("overrides,key,message", [
@@ -44,8 +46,6 @@ def test_both_back_ends_take_moe(tmp_path):
      "at tensor and pipeline parallel size 1 only so far"),
     ({"megatron_cfg.pipeline_model_parallel_size": 2}, "policy.megatron_cfg.pipeline_model_parallel_size",
      "at tensor and pipeline parallel size 1 only so far"),
-    ({"megatron_cfg.use_distributed_optimizer": True}, "policy.megatron_cfg.use_distributed_optimizer",
-     "not with a Mixture-of-Experts model yet"),
     ({"lora.enabled": True}, "policy.lora.enabled", "not with a Mixture-of-Experts model on megatron yet"),
     ({"megatron_cfg.context_parallel_size": 2}, "policy.megatron_cfg.context_parallel_size",
      "2: not with a Mixture-of-Experts model yet")])

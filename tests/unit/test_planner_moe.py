@@ -72,8 +72,7 @@ def test_moe_optimizer_state_is_sharded_over_expert_data_parallel_ranks():
     assert rows["optimizer state (adamw: 2 x fp32 / dp 32, experts / expert dp 4)"] == 8 * dense / 32 + 8 * local / 4
     assert rows["gradients (fp32)"] == 4 * (dense + local)
     assert rows["MoE token dispatch (3 x tok x top-8 x h)"] == 3 * 4096 * 8 * 2048 * 2
-    assert any("training refuses this layout today: config key 'policy.megatron_cfg.use_distributed_optimizer'"
-               in n for n in notes)
+    assert not any("refuses" in n for n in notes)  # MoE with the distributed optimizer trains
     whole, _ = _policy_rows(["policy.megatron_cfg.expert_model_parallel_size=8"])
     assert whole["fp32 master weights"] == 4 * (dense + local)
     assert whole["optimizer state (adamw: 2 x fp32)"] == 8 * (dense + local)
@@ -98,7 +97,7 @@ def test_qwen3_moe_recipes_fit_and_say_what_training_builds(tmp_path):
     assert memory.problems() == []
     refused = [n for n in memory.roles[0].notes if n.startswith("training refuses this layout today")]
     assert [n.split("'")[1] for n in refused] == [f"policy.megatron_cfg.{k}" for k in (
-        "tensor_model_parallel_size", "pipeline_model_parallel_size", "use_distributed_optimizer")]
+        "tensor_model_parallel_size", "pipeline_model_parallel_size")]
 
 
 def test_bad_expert_layouts_are_one_line_errors_naming_the_key(capsys, tmp_path):

@@ -24,7 +24,8 @@ Only what differs from `PolicyWorker` is here:
 Optimizer: a torch optimizer over the "main" parameters: the local shards themselves in fp32; in bf16, fp32
 master copies with fp32 gradient accumulation. use_distributed_optimizer: Megatron-Core's DistributedDataParallel
 (gradient buffers reduce-scattered over DP, overlapping the backward) and DistributedOptimizer (fp32 main weights
-and optimizer state of this DP rank's shard only), distopt.py; the step sequence stays the shared one.
+and optimizer state of this DP rank's shard only; the experts' over the expert-DP group), distopt.py; the step
+sequence stays the shared one.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ class MegatronPolicyWorker(PolicyWorker):
         with shim.device_context():
             self.dist_opt = MegatronDistributedOptimizer(self.model, self.mconfig, m.distributed_data_parallel_config,
                                                          self.cfg.optimizer, self.cfg.precision == "bfloat16")
-        self.sharded = ShardedState(self.dist_opt, self.main, ps.get_data_parallel_group())
+        self.sharded = ShardedState(self.dist_opt, self.main)
         self.sharded.load(local, {}, {})
         return self.dist_opt.inner
 
@@ -161,14 +162,15 @@ class MegatronPolicyWorker(PolicyWorker):
         their own."""
         if self.dist_opt is None:
             return super()._move_parameters(device)
-        for buffer in self.dist_opt.ddp.buffers:
+        for buffer in self.dist_opt.buffers:
             buffer.offload_to_cpu() if device.type == "cpu" else buffer.reload_from_cpu()
         for p in self.params.values():
             if not p.requires_grad:
                 p.data = p.data.to(device)
-        for group in self.dist_opt.optimizer.shard_fp32_from_float16_groups:
-            for main in group:
-                main.data = main.data.to(device)
+        for opt in self.dist_opt.optimizers:
+            for group in opt.shard_fp32_from_float16_groups:
+                for main in group:
+                    main.data = main.data.to(device)
 
     def _hf_config_of(self, hf_config):
         """The HF config of the model actually built (architecture name matching the head, num_labels=1)."""
