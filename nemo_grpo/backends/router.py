@@ -28,7 +28,8 @@ counts: the real tokens are the rows' first input_lengths positions (prompt and 
 - Expert load imbalance: per layer, the top-k assignments per expert over the step's real tokens (every
   micro-batch and data-parallel rank), max / mean; the worst layer. 1.0 is a perfect balance, E / k the worst.
 Under context parallelism each rank sees a share of the positions: the counts stay exact, the losses are each
-share's (the router-loss coefficients are refused there).
+share's (the router-loss coefficients are refused there). Under sequence parallelism a TP rank's router sees a
+share too: the Megatron back end all-gathers the logits and routes over the TP group, so they are exact.
 - Routing agreement, when a training micro-batch carries recorded routes (`routed_experts` [b, T, L, k]: the
   top-k experts each position went to in an earlier forward, e.g. the log-prob pass of the same weights):
   "moe/routing_agreement", the share of the recorded (position, layer) choices that the training forward routed
@@ -114,13 +115,20 @@ class RouterLogits:
     def start(self) -> None:
         self.logits, self.routes, self.armed = [], [], True
 
+    def wants_logits(self, module: torch.nn.Module) -> bool:
+        """Whether `record` keeps this router's logits now (a back end may skip making them otherwise)."""
+        return self.armed and module.training
+
+    def wants_routes(self, module: torch.nn.Module) -> bool:
+        return self.armed and (module.training or self.routes_in_eval)
+
     def record(self, module: torch.nn.Module, logits: torch.Tensor) -> None:
-        if self.armed and module.training:
+        if self.wants_logits(module):
             self.logits.append(logits)
 
     def record_routes(self, module: torch.nn.Module, experts: torch.Tensor) -> None:
         """experts [N, k]: the ids of the experts each of the layer's N positions was dispatched to."""
-        if self.armed and (module.training or self.routes_in_eval):
+        if self.wants_routes(module):
             self.routes.append(experts.detach())
 
     def take(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -500,7 +500,7 @@ def _moe_notes(p, spec, layout) -> list[str]:
              f"TP 1); expert data parallel {edp} (tp x cp x dp / ep), the group their gradients are reduced "
              f"over{' and their masters and optimizer state sharded over' if m.use_distributed_optimizer else ''}"]
     return notes + [f"training refuses this layout today: {u}" for u in megatron_moe_unbuilt(
-        spec.experts, "policy.megatron_cfg", p.model_name, layout.tp, layout.pp)]
+        spec.experts, "policy.megatron_cfg", p.model_name, layout.tp, layout.pp, m.sequence_parallel)]
 
 
 def _vllm_rows(cfg, spec, gpu: float) -> tuple[dict[str, float], list[str], str]:

@@ -8,6 +8,7 @@ discontinuous, so after a step the layouts' float differences may flip a near-ti
 test_dtensor_policy.py::test_qwen3_moe_matches_hf).
 """
 
+import math
 import sys
 
 import pytest
@@ -17,6 +18,10 @@ from policy_checks import (TokenPGLoss, assert_logprobs_match_hf, check_checkpoi
                            check_train_parity, export_state, load_hf, make_batch, max_diff, policy_config)
 from test_mcore_policy import FOUR, megatron_policy
 from train_runs import read_metrics, train_in_process
+from transformers import AutoConfig
+
+from nemo_grpo.backends.mcore import weights
+from nemo_grpo.models.spec import model_spec
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # local_experts runs in the workers
 # every policy of the module trains with both router losses (backends/router.py; HF's load-balancing loss)
@@ -26,7 +31,8 @@ EP2 = {"megatron_cfg.expert_model_parallel_size": 2, **ROUTER}
 DISTOPT = {"megatron_cfg.use_distributed_optimizer": True}
 
 
-@pytest.mark.parametrize("layout,extra", [("tp1", ROUTER), ("dp2", ROUTER), ("dp2", EP2)], ids=["tp1", "dp2", "ep2"])
+@pytest.mark.parametrize("layout,extra", [("tp1", ROUTER), ("dp2", ROUTER), ("dp2", EP2), ("tp2_sp", ROUTER)],
+                         ids=["tp1", "dp2", "ep2", "tp2_sp"])
 def test_moe_matches_hf(policy_pool, tiny_model_dir, layout, extra):
     """The export is the checkpoint bit for bit (the experts gathered from their EP ranks into HF's fused
     tensors), log-probs within 1e-5 of HF's, and one step's weights within 1e-4 of a single-process HF step with
@@ -71,12 +77,17 @@ def test_distributed_optimizer_matches_hf_and_resumes_in_one_process(policy_pool
                                  make_batch(4, seed=3), str(tmp_path / "ckpt"))
 
 
-def assert_sharded_once(policy, path: str, sizes: list[int]) -> None:
+def assert_sharded_once(policy, path: str, sizes: list[int], tp: int = 1) -> None:
     """Every worker's DistributedOptimizers (the dense one, then the experts') shard over groups of `sizes`, and
-    every parameter element of the model has its fp32 main and optimizer state on exactly one rank."""
+    every parameter element of the model has its fp32 main and optimizer state on exactly one rank of each TP
+    group (the TP-replicated norms and routers on each of its tp ranks; the vocabulary's padding rows too)."""
     shards = policy.group.run_all("__ray_call__", optimizer_shards)
     assert [[size for size, _ in rank] for rank in shards] == [sizes] * policy.group.world_size
-    assert sum(n for rank in shards for _, n in rank) == sum(p.numel() for p in load_hf(path).parameters())
+    spec = model_spec(AutoConfig.from_pretrained(path), tp=tp)
+    replicated = sum(math.prod(e.shape) for e in weights.entries(spec) if e.kind == "copy")
+    padding = (spec.padded_vocab - spec.vocab) * spec.hidden * (1 if spec.tied else 2)
+    total = sum(p.numel() for p in load_hf(path).parameters())
+    assert sum(n for rank in shards for _, n in rank) == total + (tp - 1) * replicated + padding
 
 
 def optimizer_shards(worker) -> list[tuple[int, int]]:
@@ -87,23 +98,33 @@ def optimizer_shards(worker) -> list[tuple[int, int]]:
             for opt in worker.dist_opt.optimizers]
 
 
-@pytest.mark.parametrize("distopt", [False, True], ids=["ddp", "distopt"])
-def test_ep2_dp4_sums_expert_gradients_over_expert_data_parallel(policy_pool, tiny_model_dir, distopt):
-    """dp 4 x ep 2 on 4 ranks: each expert lives on two ranks (expert-data-parallel group of 2), whose gradients
-    are summed over that group, the shared weights' over all 4; the single-process step and norm. With the
-    distributed optimizer the experts' main weights and Adam state are sharded over that group of 2, the rest
-    over all 4."""
+TP2_SP = {"megatron_cfg.tensor_model_parallel_size": 2, "megatron_cfg.sequence_parallel": True}
+# on 4 ranks with ep 2: overrides, and with the distributed optimizer the sizes of its (dense, expert) groups
+ON_FOUR = {"dp4": ({}, None), "dp4_distopt": (DISTOPT, [4, 2]), "tp2_sp_ep2_distopt": ({**TP2_SP, **DISTOPT}, [2, 2])}
+
+
+@pytest.mark.parametrize("layout", list(ON_FOUR))
+def test_ep2_on_four_ranks_sums_expert_gradients_over_expert_data_parallel(policy_pool, tiny_model_dir, layout):
+    """ep 2 on 4 ranks, each expert on two of them (expert-data-parallel group of 2), whose gradients are summed
+    over that group: at dp 4 the shared weights' over all 4; at tp 2 (sequence parallel) x dp 2 the TP peers
+    hold different experts (expert TP 1), the shared weights' summed over TP then dp 2. Exported, the
+    checkpoint; one step, the single-process step and norm. With the distributed optimizer the experts' main
+    weights and Adam state are sharded over their group of 2, the rest over the data-parallel group."""
     path = tiny_model_dir("qwen3_moe")
-    cfg = policy_config(path, backend="megatron", **EP2, **{"megatron_cfg.use_distributed_optimizer": distopt})
+    overrides, sizes = ON_FOUR[layout]
+    cfg = policy_config(path, backend="megatron", **EP2, **overrides)
     with policy_pool.policy(cfg, FOUR, path) as policy:
         assert policy.group.run_all("__ray_call__", local_experts) == [4] * 4
-        check_train_parity(policy, path, make_batch(4, seed=2))  # one row per rank, one step
-        if distopt:
-            assert_sharded_once(policy, path, [4, 2])
+        assert max_diff(export_state(policy), load_hf(path).state_dict()) == 0.0
+        check_train_parity(policy, path, make_batch(4, seed=2))  # one row per DP rank, one step
+        if sizes:
+            assert_sharded_once(policy, path, sizes, overrides.get("megatron_cfg.tensor_model_parallel_size", 1))
 
 
-def test_routing_replay_routes_as_recorded(policy_pool, tiny_model_dir):
-    """Routing replay (policy.megatron_cfg.moe_router_replay old_policy) at dp 2 x ep 2. get_logprobs records
+@pytest.mark.parametrize("layout,extra", [("dp2", EP2), ("tp2_sp", ROUTER)], ids=["ep2", "tp2_sp"])
+def test_routing_replay_routes_as_recorded(policy_pool, tiny_model_dir, layout, extra):
+    """Routing replay (policy.megatron_cfg.moe_router_replay old_policy) at dp 2 x ep 2, and at TP=2 with sequence
+    parallelism (each TP rank's router recording, and replaying, its share of the positions). get_logprobs records
     HF's top-k routes. One train call of two optimizer steps given those routes: without replay the second step's
     forward (moved weights) routes elsewhere (moe/routing_agreement < 1, equal to the router's own top-k
     agreement); with replay every position goes to its recorded experts (1.0) while the router's own top k
@@ -113,7 +134,7 @@ def test_routing_replay_routes_as_recorded(policy_pool, tiny_model_dir):
     batch, first = make_batch(8, seed=4), make_batch(4, seed=5)  # 8 rows: 2 optimizer steps of 4
     results = {}
     for replay in ("none", "old_policy"):
-        with megatron_policy(policy_pool, path, "dp2", **EP2, **{"megatron_cfg.moe_router_replay": replay}) as p:
+        with megatron_policy(policy_pool, path, layout, **extra, **{"megatron_cfg.moe_router_replay": replay}) as p:
             routes = check_routes_match_hf(p, path, batch)
             results[replay] = p.train(batch, TokenPGLoss(), columns={"routed_experts": routes})
             policy_pool.reset(p)

@@ -1,5 +1,6 @@
 """Mixture-of-Experts models at config time: the DTensor back end takes Qwen3-MoE (HF's own model under FSDP2);
-the Megatron back end takes it at tp = pp = 1 with expert parallelism, and refuses what it does not build yet,
+the Megatron back end takes it at pp = 1 (tp > 1 with sequence parallelism) with expert parallelism, and refuses
+what it does not build yet,
 naming the key, before any worker starts. And the expert tensors' two layouts, and their Megatron mapping.
 (Parity with HF is in tests/functional/test_dtensor_policy.py and test_mcore_moe.py.)"""
 
@@ -37,15 +38,18 @@ def test_both_back_ends_take_moe(tmp_path):
     validate_model_layout(_megatron(tmp_path, **{"megatron_cfg.expert_model_parallel_size": 8}), str(tmp_path))
     validate_model_layout(_megatron(tmp_path, **{"megatron_cfg.expert_model_parallel_size": 2,
                                                  "megatron_cfg.use_distributed_optimizer": True}), str(tmp_path))
+    validate_model_layout(_megatron(tmp_path, **{"megatron_cfg.tensor_model_parallel_size": 2,
+                                                 "megatron_cfg.sequence_parallel": True,
+                                                 "megatron_cfg.expert_model_parallel_size": 2}), str(tmp_path))
 
 
 @pytest.mark.parametrize("overrides,key,message", [
     ({"megatron_cfg.expert_model_parallel_size": 3}, "policy.megatron_cfg.expert_model_parallel_size",
      "3 does not divide the model's 8 experts"),
-    ({"megatron_cfg.tensor_model_parallel_size": 2}, "policy.megatron_cfg.tensor_model_parallel_size",
-     "at tensor and pipeline parallel size 1 only so far"),
+    ({"megatron_cfg.tensor_model_parallel_size": 2}, "policy.megatron_cfg.sequence_parallel",
+     "false; .* under tensor_model_parallel_size 2 take each TP rank's share of the tokens: set it to true"),
     ({"megatron_cfg.pipeline_model_parallel_size": 2}, "policy.megatron_cfg.pipeline_model_parallel_size",
-     "at tensor and pipeline parallel size 1 only so far"),
+     "at pipeline parallel size 1 only so far"),
     ({"lora.enabled": True}, "policy.lora.enabled", "not with a Mixture-of-Experts model on megatron yet"),
     ({"megatron_cfg.context_parallel_size": 2}, "policy.megatron_cfg.context_parallel_size",
      "2: not with a Mixture-of-Experts model yet")])

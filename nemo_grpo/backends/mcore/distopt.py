@@ -10,7 +10,8 @@ only, steps them, and all-gathers the updated weights. The worker keeps its own 
 
 Mixture-of-Experts under expert parallelism: DDP keeps the experts (`allreduce=False`) in buffers of their own,
 reduce-scattered over the expert-data-parallel group, and `get_megatron_optimizer` chains a dense and an expert
-DistributedOptimizer (the latter sharding over that group); both step through one torch optimizer here.
+DistributedOptimizer (the latter sharding over that group); both step through one torch optimizer here. Under
+TP the experts are whole on every TP rank (expert TP 1, model.mark_replicated_experts marks them so).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from torch import nn
@@ -57,6 +59,9 @@ class MegatronDistributedOptimizer:
         self.chained = chained
         # the dense DistributedOptimizer (DP group); under expert parallelism the experts' (expert-DP group) too
         self.optimizers = list(getattr(chained, "chained_optimizers", [chained]))
+        for opt in self.optimizers:  # Megatron gives every optimizer the attention TP group: under TP with expert
+            if any(g.get("is_expert_parallel") for g in opt.optimizer.param_groups):  # TP 1 its norm would
+                opt.tp_group = ps.get_expert_tensor_parallel_group()  # skip the experts on TP ranks > 0
         self.inner: torch.optim.Optimizer = _joined([opt.optimizer for opt in self.optimizers])
 
     @property

@@ -8,6 +8,7 @@ import contextlib
 import glob
 import json
 import os
+from functools import partial
 from typing import Callable
 
 import torch
@@ -16,8 +17,9 @@ from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                       get_gpt_layer_with_transformer_engine_spec)
-from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -74,7 +76,9 @@ def _moe_config(spec: ModelSpec, mcfg) -> dict:
     own load-balancing and z-losses stay off ("none", coefficients 0 / None): policy.megatron_cfg's router-loss
     keys are computed by backends/router.py with HF's definition (its docstring says why), from the logits
     record_router_logits captures. The router runs in fp32. Token dispatch "alltoall" (gloo's all_to_all).
-    Every router has Megatron's RouterReplay (replay_routes; idle, it computes its own top k)."""
+    Expert tensor parallelism 1: under TP (with sequence parallelism) the experts are whole on every TP rank,
+    each rank's tokens (its sequence share) go to them (mark_replicated_experts). Every router has Megatron's
+    RouterReplay (replay_routes; idle, it computes its own top k)."""
     if not spec.experts:
         return {}
     return dict(num_moe_experts=spec.experts, moe_router_topk=spec.experts_per_token,
@@ -82,25 +86,34 @@ def _moe_config(spec: ModelSpec, mcfg) -> dict:
                 moe_router_pre_softmax=not spec.moe_norm_topk, moe_router_dtype="fp32",
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
                 moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
-                expert_model_parallel_size=mcfg.expert_model_parallel_size,
+                expert_model_parallel_size=mcfg.expert_model_parallel_size, expert_tensor_parallel_size=1,
                 moe_enable_routing_replay=True)
 
 
-def record_router_logits(model: nn.Module, recorder) -> None:
+def record_router_logits(model: nn.Module, recorder, sequence_parallel: bool) -> None:
     """Every TopKRouter's gating (its fp32 logits [s, b, E]) also hands the logits, row by row as [b * s, E],
     to `recorder` (backends/router.RouterLogits), the router's own routing reading them unchanged; and its
-    output, the experts it dispatched each position to (routing_map [s * b, E]), as ids row by row [b * s, k]."""
+    output, the experts it dispatched each position to (routing_map [s * b, E]), as ids row by row [b * s, k].
+    Under sequence parallelism a TP rank's router sees its share [s / tp, b, ...] of the positions: both are
+    all-gathered over the TP group into the whole [s, b, ...] (the logits' backward keeps this rank's share of
+    their gradient), so every TP rank records the exact, whole micro-batch."""
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    whole = partial(gather_from_sequence_parallel_region, tensor_parallel_output_grad=False) \
+        if sequence_parallel else (lambda x: x)
 
     def record_routes(router, args, out):
-        s, b = args[0].shape[:2]  # the router's input [s, b, H]
-        chosen = out[1].reshape(s, b, -1).transpose(0, 1).reshape(s * b, -1)  # [b * s, E] bool
-        recorder.record_routes(router, torch.topk(chosen.float(), router.topk, dim=-1).indices)
+        if recorder.wants_routes(router):
+            s, b = args[0].shape[:2]  # the router's input [s(/tp), b, H]
+            chosen = whole(out[1].reshape(s, b, -1).float())  # [s, b, E] 1.0 where dispatched
+            chosen = chosen.transpose(0, 1).reshape(-1, chosen.shape[-1])  # [b * s, E]
+            recorder.record_routes(router, torch.topk(chosen, router.topk, dim=-1).indices)
 
     def wrap(router, gating):
         def recorded(hidden):
-            logits = gating(hidden)  # [s, b, E]
-            recorder.record(router, logits.transpose(0, 1).reshape(-1, logits.shape[-1]))
+            logits = gating(hidden)  # [s(/tp), b, E]
+            if recorder.wants_logits(router):
+                full = whole(logits)  # [s, b, E]
+                recorder.record(router, full.transpose(0, 1).reshape(-1, full.shape[-1]))
             return logits
         return recorded
 
@@ -109,18 +122,34 @@ def record_router_logits(model: nn.Module, recorder) -> None:
         router.register_forward_hook(record_routes)
 
 
-def replay_routes(routes: torch.Tensor) -> None:
+def mark_replicated_experts(model: nn.Module, tp: int) -> None:
+    """Under TP the experts are whole on every TP rank (expert TP 1), each rank's gradient a share of the
+    tokens': mark them `allreduce=False` as Megatron marks expert-parallel ones (it does at ep > 1 only), so
+    the worker and Megatron's DDP sum them over the expert-data-parallel group (tp x dp / ep ranks, the TP
+    peers among them) and the norm counts them on every TP rank."""
+    if tp == 1:
+        return
+    for experts in (m for m in model.modules() if isinstance(m, SequentialMLP)):
+        for p in experts.parameters():
+            p.allreduce = False
+
+
+def replay_routes(routes: torch.Tensor, sequence_parallel: bool = False) -> None:
     """The next forward of every TopKRouter dispatches as `routes` [r, t, L, k] (expert ids per position and
     MoE layer of this rank's stage, row by row; negative on positions never recorded, which go to experts
     0..k-1) instead of its own top k: Megatron's RouterReplay (REPLAY_FORWARD), its gates still the softmax of
-    its own logits at those experts. Until stop_replay()."""
-    r, t, layers, k = routes.shape
-    routes = torch.where(routes < 0, torch.arange(k, device=routes.device), routes.long())
+    its own logits at those experts. Under sequence parallelism this TP rank's share [t / tp] of the positions.
+    Until stop_replay()."""
+    routes = torch.where(routes < 0, torch.arange(routes.shape[-1], device=routes.device), routes.long())
+    routes = routes.transpose(0, 1)  # [t, r, L, k]
+    if sequence_parallel:
+        routes = scatter_to_sequence_parallel_region(routes)  # [t / tp, r, L, k]
+    t, r, layers, k = routes.shape
     instances = RouterReplay.global_router_replay_instances
     if len(instances) != layers:
         raise RuntimeError(f"routing replay: routes of {layers} MoE layers for {len(instances)} routers")
     RouterReplay.clear_global_indices()
-    RouterReplay.set_replay_data([routes[:, :, i].transpose(0, 1).reshape(t * r, k) for i in range(layers)])
+    RouterReplay.set_replay_data([routes[:, :, i].reshape(t * r, k) for i in range(layers)])
     RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 

@@ -12,7 +12,7 @@ nemo_grpo/models/spec.py: each HF tensor names the pipeline stage that owns it, 
   experts_fc1 / experts_fc2   MoE: HF's fused [E, 2F, H] / [E, H, F] (models/experts.py) cut into the E / ep
          experts of this expert-parallel rank, expert e (global) -> `local_experts.{e mod E/ep}.linear_fc1.weight`
          [2F, H] (gate rows then up rows, as Megatron's gated fc1 and the dense MLP's TP=1 fc1) and `.linear_fc2`
-         [H, F]; not split over TP (the Megatron back end builds MoE at tp=1 only, validation.py)
+         [H, F]; not split over TP (expert TP 1: every TP rank holds its EP rank's experts whole)
 Loading (`to_megatron`) maps full HF tensors to this rank's shards; export (`to_hf`) maps the TP shards of the
 owning stage back to full HF tensors, bit-exactly (slicing and concatenation only).
 """

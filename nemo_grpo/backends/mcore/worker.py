@@ -10,10 +10,11 @@ Only what differs from `PolicyWorker` is here:
 - gradients: TP all-reduce of replicated-but-partial grads (Qwen3 q/k norms, sequence-parallel norms), the
   tied-embedding grad sum between first and last stage, then a data-parallel SUM (losses use global counts);
 - the clipped norm counts every element once (TP duplicates and the last stage's tied copy skipped);
-- Mixture-of-Experts (Qwen3-MoE, at tp = pp = 1): Megatron's MoELayer (TopKRouter, SequentialMLP experts,
-  alltoall token dispatch); expert_model_parallel_size splits each layer's experts over ep of the DP ranks
-  (each loads its own from the checkpoint); expert gradients are summed over the expert-data-parallel group,
-  counted once per expert in the norm, and all-gathered over the expert-parallel group for export; the
+- Mixture-of-Experts (Qwen3-MoE, at pp = 1; under TP with sequence parallelism, each expert whole on every TP
+  rank: expert TP 1): Megatron's MoELayer (TopKRouter, SequentialMLP experts, alltoall token dispatch);
+  expert_model_parallel_size splits each layer's experts over ep of the tp x dp ranks (each loads its own);
+  expert gradients are summed over the expert-data-parallel group, counted once per expert in the norm, and
+  all-gathered over the expert-parallel group for export; the
   router's load-balancing / z-loss and routing metrics are backends/router.py's (HF's definition), from the
   router logits model.record_router_logits captures, not Megatron's own aux-loss machinery;
 - export: TP shards all-gathered on the owning stage, mapped to full HF tensors, sent to rank 0;
@@ -72,7 +73,7 @@ class MegatronPolicyWorker(PolicyWorker):
         with shim.device_context():
             if not ps.model_parallel_is_initialized():
                 ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep)
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
             tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
             self.hf_config = self._hf_config_of(AutoConfig.from_pretrained(self.model_path))
             self.spec = model_spec(self.hf_config, tp, pp, self.scalar_head,
@@ -94,6 +95,7 @@ class MegatronPolicyWorker(PolicyWorker):
                                     self.pp_rank, ep, self.ep_rank)
         mmodel.load_local(model, local)
         mmodel.mark_tensor_parallel(model, weights.tp_split_dims(self.spec, pp, self.pp_rank))
+        mmodel.mark_replicated_experts(model, tp)
         self.adapters = None  # policy.lora: MegatronLora, the adapters on the targeted linears (base frozen)
         if self.cfg.lora.enabled:
             self.adapters = MegatronLora(model, self.spec, self.cfg.lora, self.mconfig, tp, self.tp_rank, pp,
@@ -102,7 +104,7 @@ class MegatronPolicyWorker(PolicyWorker):
         self.model = model
         if self.spec.experts:
             self.router = RouterLosses(m, self.spec.experts_per_token)
-            mmodel.record_router_logits(model, self.router.recorder)
+            mmodel.record_router_logits(model, self.router.recorder, self.mconfig.sequence_parallel)
         self.replay_routes = bool(self.spec.experts) and m.moe_router_replay != "none"
         self.rope_positions = mmodel.RotaryPositions(model)
         self.params = parameters_by_name(model)
@@ -213,7 +215,7 @@ class MegatronPolicyWorker(PolicyWorker):
             if self.router is not None:
                 self.router.recorder.start()
             if replay:  # a training forward routes as recorded (policy.megatron_cfg.moe_router_replay)
-                mmodel.replay_routes(inputs.from_rows(mb["routed_experts"], -1))
+                mmodel.replay_routes(inputs.from_rows(mb["routed_experts"], -1), self.mconfig.sequence_parallel)
             with self.rope_positions.use(inputs.position_ids if own_positions else None):
                 output = model(ids, pos.expand_as(ids), attention_mask=mask,
                                packed_seq_params=_attention_params(inputs))
@@ -334,7 +336,8 @@ class MegatronPolicyWorker(PolicyWorker):
     def _grad_norm(self) -> float:
         """Global L2 norm over the model-parallel group (DP ranks hold the same summed grads), each element
         counted once: TP-replicated parameters only on TP rank 0, the last stage's tied embedding copy not; the
-        experts' squares summed over the expert-model-parallel ranks (each holds its own experts) instead."""
+        experts' squares (whole on every TP rank: expert TP 1) summed over the expert-model-parallel ranks (each
+        holds its own experts) instead."""
         if self.dist_opt is not None:
             with shim.device_context():
                 return self.dist_opt.grad_norm()
@@ -342,8 +345,8 @@ class MegatronPolicyWorker(PolicyWorker):
         expert_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for n, main in self.main.items():
             p = self.params[n]
-            duplicate = getattr(p, "shared", False) or (
-                self.tp_rank > 0 and not getattr(p, "tensor_model_parallel", False))
+            duplicate = getattr(p, "shared", False) or (self.tp_rank > 0 and not _is_expert(p)
+                                                        and not getattr(p, "tensor_model_parallel", False))
             grad = main.grad
             if grad is None or duplicate:
                 continue
@@ -521,8 +524,9 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
 
 
 def _is_expert(param: torch.nn.Parameter) -> bool:
-    """A routed expert's parameter under expert parallelism: Megatron marks them `allreduce=False` (at ep=1 they
-    are not marked, and the expert-data-parallel group is the data-parallel one)."""
+    """A routed expert's parameter under expert or tensor parallelism: marked `allreduce=False` (by Megatron at
+    ep > 1, by model.mark_replicated_experts at tp > 1; at tp = ep = 1 they are not, and the expert-data-parallel
+    group is the data-parallel one)."""
     return not getattr(param, "allreduce", True)
 
 
