@@ -78,5 +78,5 @@ def hf_tensor_reader(model_dir: str) -> Callable[[str], torch.Tensor]:
                                 and k.endswith(".down_proj.weight")))
         return read_fused_experts(name, experts, get)
 
-    get.read_slice, get.read_experts, get.reads, get.names = read_slice, read_experts, reads, frozenset(where)
+    get.read_slice, get.read_experts, get.reads = read_slice, read_experts, reads
     return get
