@@ -13,8 +13,9 @@ What each back end keeps, read off nemo_grpo/backends/:
              Layouts the back end does not build for MoE yet (tp or pp > 1, the distributed optimizer) are
              sized all the same, with a note that training refuses them.
   dtensor    FSDP2: fp32 parameters, gradients and optimizer state sharded over dp (linear weights split over
-             tp first); the largest unit all-gathered in the compute dtype, x2 (the next one is prefetched); the
-             full fp32 model sits on every GPU while loading, before it is sharded.
+             tp first); the largest unit all-gathered in the compute dtype, x2 (the next one is prefetched); loading
+             builds the model sharded (on the meta device) and reads each rank's slices from the checkpoint:
+             the rank's fp32 shards plus at most one whole tensor in fp32 being read.
   reference  a host-memory copy of each rank's shards swapped into the live parameters for its forward: no
              GPU memory. With LoRA the reference is the frozen base with the adapters disabled: no copy at all.
   LoRA       (policy.lora) the frozen base weights alone: no fp32 masters, no gradients, no optimizer state;
@@ -48,7 +49,7 @@ from nemo_grpo.models.lora import target_modules
 from nemo_grpo.models.spec import check_expert_split, megatron_moe_unbuilt
 from nemo_grpo.planning import activations as act
 from nemo_grpo.planning.params import decoder_spec, hf_config
-from nemo_grpo.planning.params import (dtensor_rank_params, largest_fsdp_unit, lora_layer_params,
+from nemo_grpo.planning.params import (dtensor_rank_params, largest_fsdp_unit, largest_tensor, lora_layer_params,
                                        megatron_stage_split, total_params)
 
 GIB = float(1 << 30)
@@ -357,7 +358,8 @@ def dtensor_devices(p, spec, w: Workload, world: int) -> tuple[list[Device], dic
     weights, trained, nbytes = _dtensor_weights(p, spec, tp, dp)
     adapters = _lora_layer(p, spec, tp) if p.lora.enabled else 0
     state = dict(weights, **{f"gathered units ({p.precision}, x2)": largest_fsdp_unit(spec, tp, adapters) * b * 2.0})
-    phases = {"loading (full fp32 model)": {"full fp32 model before sharding": total_params(spec) * 4.0}}
+    phases = {"loading (sharded)": dict(weights, **{"one checkpoint tensor read (fp32, at most whole)":
+                                                   largest_tensor(spec) * 4.0})}
     if w.training:
         train = dict(state, **trained)
         train.update(_activation_rows(spec, "hf", b, w, tp, False, spec.num_layers, 1,

@@ -142,6 +142,12 @@ def dtensor_rank_params(spec: ModelSpec, tp: int, dp: int) -> int:
     return -(-sum(_on_tp_rank(t, spec, tp, vocab_parallel=False) for t in _stored(spec)) // dp)
 
 
+def largest_tensor(spec: ModelSpec) -> int:
+    """Elements of the largest HF tensor (the embedding, or a layer's fused experts [E, 2F, H]): what the DTensor
+    back end's sharded load reads at most at once (dtensor/loading.py; it reads only a rank's slice of each)."""
+    return max(math.prod(t.shape) for t in _stored(spec))
+
+
 def largest_fsdp_unit(spec: ModelSpec, tp: int, lora_per_layer: int = 0) -> int:
     """Parameters of the largest FSDP2 unit one rank all-gathers for a forward: a decoder layer (/tp, with its
     `lora_per_layer` adapter parameters) or the root module (embedding, final norm, lm_head or score:

@@ -37,6 +37,17 @@ class TestFSDP:
         lp = assert_logprobs_match_hf(policy, path, batch)
         assert (lp[:, 0] == 0).all() and (lp[1, 3:] == 0).all()
 
+    def test_each_rank_reads_only_its_shards(self, fsdp_qwen3):
+        """The model is built sharded (backends/dtensor/loading.py): each of the 2 FSDP ranks reads from the
+        checkpoint only its half of every tensor. Over the ranks the elements read add up to the model's once
+        (a full load on every rank, as from_pretrained did, reads it twice), and no rank's largest read is a
+        whole tensor: it is half the largest tensor (here an MLP weight [F, H]; rows split over dp)."""
+        policy, path = fsdp_qwen3
+        reads = policy.group.run_all("load_reads")
+        params = list(load_hf(path).parameters())  # (a tied lm_head counted once)
+        assert sum(r["numel"] for r in reads) == sum(p.numel() for p in params)
+        assert [r["largest"] for r in reads] == [max(p.numel() for p in params) // 2] * 2
+
     def test_export_weights_buckets(self, fsdp_qwen3):
         policy, path = fsdp_qwen3
         limit_mb = 0.05

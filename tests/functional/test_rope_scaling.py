@@ -1,4 +1,5 @@
-"""RoPE scaling on the Megatron back end (Llama 3.1+ `llama3`, `linear`, `yarn`) against Hugging Face.
+"""RoPE scaling on the Megatron back end (Llama 3.1+ `llama3`, `linear`, `yarn`) against Hugging Face; on the
+DTensor back end (`llama3`, `yarn`), whose model is built on the meta device and its rotary buffers recomputed.
 
 Tiny Llama models whose HF config carries `rope_scaling`, with rows longer than original_max_position_embeddings
 (64, rows up to 80 tokens) so that the scaled frequencies matter: of the 16 frequencies of head_dim 32 at
@@ -13,8 +14,11 @@ import json
 
 import pytest
 import torch
-from policy_checks import assert_logprobs_match_hf, check_train_parity, hf_logprobs, load_hf, make_batch
+from policy_checks import (CLUSTER, assert_logprobs_match_hf, check_train_parity, hf_logprobs, load_hf, make_batch,
+                           policy_config)
 from test_mcore_policy import megatron_policy
+
+from nemo_grpo.policy import Policy
 
 
 LLAMA3 = dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=2.0,
@@ -100,3 +104,14 @@ def test_yarn_matches_hf(ray_cluster, tiny_model_dir):
     with megatron_policy(None, path, "tp2_sp", logprob_batch_size=4) as policy:
         assert_logprobs_match_hf(policy, path, make_batch(5, seed=16, t=YARN_LONG))
         check_train_parity(policy, path, make_batch(8, seed=17, t=YARN_LONG))
+
+
+@pytest.mark.parametrize("rope", ["llama3", "yarn"])
+def test_dtensor_scaling_matches_hf(ray_cluster, tiny_model_dir, rope):
+    """DTensor at TP=2: the inv_freq (and YaRN's attention factor) of the model built on the meta device
+    (backends/dtensor/loading.py recomputes the rotary buffers) give HF's log-probs on rows past the original
+    positions."""
+    path, t = (scaled_llama(tiny_model_dir, LLAMA3), LONG) if rope == "llama3" else (yarn_qwen3(tiny_model_dir),
+                                                                                        YARN_LONG)
+    with Policy(policy_config(path, **{"dtensor_cfg.tensor_parallel_size": 2}), CLUSTER, path) as policy:
+        assert_logprobs_match_hf(policy, path, make_batch(5, seed=18, t=t))

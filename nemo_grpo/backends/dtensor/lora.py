@@ -21,18 +21,20 @@ ADAPTER = "default"  # peft's adapter name
 BASE_WEIGHT = ".base_layer.weight"
 
 
-def add_adapters(model: torch.nn.Module, lora_cfg, seed: int) -> None:
-    """peft's LoRA layers on the targets of policy.lora, in place, A initialised as on Megatron (models/lora.py
-    initial_a), B zero; base frozen."""
+def add_adapters(model: torch.nn.Module, lora_cfg) -> None:
+    """peft's LoRA layers on the targets of policy.lora, in place (on the meta device: their values come from
+    `initial_adapter` when the model is materialized, dtensor/loading.py); base frozen."""
     from peft import inject_adapter_in_model  # here, not at the top: ~5 s to import, and only LoRA runs need it
 
     inject_adapter_in_model(lora.peft_config(lora_cfg), model, adapter_name=ADAPTER)
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.endswith(lora.LINEAR_LAYERS) and hasattr(module, "lora_A"):
-                a = module.lora_A[ADAPTER].weight
-                a.copy_(lora.initial_a(name, tuple(a.shape), seed))
     lora.freeze_base(model)
+
+
+def initial_adapter(key: str, shape: tuple, seed: int) -> torch.Tensor:
+    """An adapter's initial value [shape] (key '<module>.lora_A.default.weight' | '...lora_B...'): A as on
+    Megatron (models/lora.py initial_a, seeded by module), B zero."""
+    module, which = key.split(f".{ADAPTER}.")[0].rsplit(".", 1)
+    return lora.initial_a(module, shape, seed) if which == "lora_A" else torch.zeros(shape)
 
 
 def is_adapter(key: str) -> bool:

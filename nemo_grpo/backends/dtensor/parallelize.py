@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from nemo_grpo.models.experts import moe_routers
@@ -144,6 +145,15 @@ def grad_norm(grads: list[torch.Tensor]) -> float:
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a DTensor (a plain tensor as it is)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """(this rank's piece of `t`, the region of the global tensor it holds: one slice per dim); a plain tensor
+    is all of itself. Under FSDP2 a rank's region may be empty (more ranks than rows)."""
+    if not isinstance(t, DTensor):
+        return t, tuple(slice(0, n) for n in t.shape)
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

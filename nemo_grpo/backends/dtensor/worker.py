@@ -1,10 +1,11 @@
 """`DTensorPolicyWorker`: Hugging Face models under FSDP2 + tensor parallelism (see parallelize.py for the layout).
 
-Only what differs from `PolicyWorker` is here: building the HF model from a local directory, the (dp, tp)
-parallelization, logits -> log-probs (full-vocabulary logits on every TP rank), the scalar head's score, the
-gradient finish (Qwen3 q_norm/k_norm all-reduce), the DTensor-aware gradient norm, the weight export
-(`DTensor.full_tensor()` per HF state_dict entry; for refit every rank writes its shards into shared memory)
-and the checkpoint format (torch.distributed.checkpoint). Packed rows attend per segment (attention.py).
+Only what differs from `PolicyWorker` is here: building the HF model from a local directory (on the meta device,
+sharded, then each rank's slices read from the safetensors: loading.py), the (dp, tp) parallelization, logits ->
+log-probs (full-vocabulary logits on every TP rank), the scalar head's score, the gradient finish (Qwen3
+q_norm/k_norm all-reduce), the DTensor-aware gradient norm, the weight export (`DTensor.full_tensor()` per HF
+state_dict entry; for refit every rank writes its shards into shared memory) and the checkpoint format
+(torch.distributed.checkpoint). Packed rows attend per segment (attention.py).
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from nemo_grpo.backends.batching import next_token_logprobs
+from nemo_grpo.backends.dtensor import loading
 from nemo_grpo.backends.dtensor import lora as peft_lora
 from nemo_grpo.backends.dtensor import parallelize as par
 from nemo_grpo.backends.dtensor.attention import VARLEN, varlen_kwargs
@@ -71,27 +71,26 @@ class DTensorPolicyWorker(PolicyWorker):
         self.mesh = par.build_mesh(self.device.type, self.dp_size * layout.cp, self.tp_size)  # FSDP over dp x cp
         # packed rows (per segment, or the dense mask) and context parallelism go through attention.py
         attn = VARLEN if cfg.sequence_packing.enabled or layout.cp > 1 else None
-        if self.scalar_head:
-            model = AutoModelForSequenceClassification.from_pretrained(self.model_path, num_labels=1,
-                                                                       dtype=torch.float32, attn_implementation=attn)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32,
-                                                         attn_implementation=attn)
-        model.config.architectures = [type(model).__name__]
+        model = loading.meta_model(self.model_path, self.scalar_head, attn)  # built sharded: loading.py
         if cfg.dtensor_cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tied_aliases = _tied_aliases(model)
         if cfg.lora.enabled:
-            peft_lora.add_adapters(model, cfg.lora, self.seed)
-        model.to(self.device)
+            peft_lora.add_adapters(model, cfg.lora)
         if tp > 1:
             par.apply_tensor_parallel(model, self.mesh["tp"])
         par.apply_fsdp(model, self.mesh["dp"], torch.bfloat16 if cfg.precision == "bfloat16" else None)
+        self.checkpoint_reads = loading.materialize(model, self.device, self.model_path, self.seed)
         self.model = model
         self._partial_grad_params = par.local_head_params(model) if tp > 1 else []
         if getattr(model.config, "num_experts_per_tok", None):
             self.router = RouterLosses(cfg.dtensor_cfg, model.config.num_experts_per_tok)
             _record_router_logits(model, self.router.recorder)
+
+    def load_reads(self) -> dict:
+        """What building the model read from the checkpoint: {"numel": elements in all, "largest": the largest
+        single read} (loading.materialize; this rank's shards only)."""
+        return dict(self.checkpoint_reads)
 
     # ------------------------------------------------------------------------------------------ forward
     def _forward(self, inputs: ModelInputs):
@@ -200,18 +199,12 @@ class DTensorPolicyWorker(PolicyWorker):
             source = state[keys[spec.name]].detach()
             adapters = peft_lora.adapter_keys(keys[spec.name])
             a, b = (par.full_tensor(state[k].detach()) for k in adapters) if adapters else (None, None)
-            if not isinstance(source, DTensor):
-                shape, offset = tuple(source.shape), (0,) * source.dim()
-                if self.rank != 0:
-                    continue
-            elif self._writes_shard(source):
-                shape, offset = compute_local_shape_and_global_offset(source.shape, source.device_mesh,
-                                                                      source.placements)
-                source = source.to_local()
-            else:
+            if isinstance(source, DTensor) and not self._writes_shard(source):
                 continue
-            if all(n > 0 for n in shape):
-                region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+            if not isinstance(source, DTensor) and self.rank != 0:
+                continue
+            source, region = par.local_region(source)
+            if all(r.stop > r.start for r in region):
                 if a is not None:  # region = (rows, cols) of a linear weight
                     source = lora.merged(source, a[:, region[1]], b[region[0]], lora.scale(self.cfg.lora))
                 views[spec.name][region].copy_(source)

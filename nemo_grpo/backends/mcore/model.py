@@ -5,11 +5,7 @@ HF weights of a local directory, for this rank's (tp, pp) position. Needs megatr
 from __future__ import annotations
 
 import contextlib
-import glob
-import json
-import os
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +19,9 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_config import TransformerConfig
-from safetensors import safe_open
 from torch import nn
 
 from nemo_grpo.backends.mcore.attention import SDPAttention
-from nemo_grpo.models.experts import FUSED, PER_EXPERT, read_fused_experts
 from nemo_grpo.models.spec import ModelSpec
 
 
@@ -265,47 +259,6 @@ class RotaryPositions:
             yield
         finally:
             self.positions = None
-
-
-def hf_tensor_reader(model_dir: str) -> Callable[[str], torch.Tensor]:
-    """name -> tensor from the safetensors files of an HF directory (read lazily; one open handle per file).
-    MoE: a fused expert name (models/experts.py) the checkpoint stores per expert is stacked from them;
-    `get.read_experts(name, experts)` reads only the experts of the range (an expert-parallel rank's)."""
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            where = {k: os.path.join(model_dir, v) for k, v in json.load(f)["weight_map"].items()}
-    else:
-        where = {}
-        for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-            with safe_open(path, "pt") as f:
-                where.update({k: path for k in f.keys()})
-    if not where:
-        raise FileNotFoundError(f"megatron back end: no *.safetensors weights in {model_dir}")
-    handles: dict[str, object] = {}
-
-    def get(name: str) -> torch.Tensor:
-        if name not in where and FUSED.match(name):
-            return read_experts(name, None)
-        if name not in where:
-            raise KeyError(f"megatron back end: tensor '{name}' is not in {model_dir}")
-        path = where[name]
-        if path not in handles:
-            handles[path] = safe_open(path, "pt")
-        return handles[path].get_tensor(name).float()
-
-    def read_experts(name: str, experts) -> torch.Tensor:
-        if name in where:
-            full = get(name)
-            return full if experts is None else full[experts.start:experts.stop]
-        if experts is None:
-            prefix = FUSED.match(name)["prefix"]
-            experts = range(sum(1 for k in where if PER_EXPERT.match(k) and k.startswith(prefix + ".")
-                                and k.endswith(".down_proj.weight")))
-        return read_fused_experts(name, experts, get)
-
-    get.read_experts = read_experts
-    return get
 
 
 def load_local(model: nn.Module, local: dict[str, torch.Tensor]) -> None:

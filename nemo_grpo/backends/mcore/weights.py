@@ -160,7 +160,7 @@ def to_megatron(get: Callable[[str], torch.Tensor], s: ModelSpec, tp: int, tp_ra
 
 def _read_experts(get: Callable[[str], torch.Tensor], name: str, experts: range) -> torch.Tensor:
     """Fused expert tensor `name` [E, ...] restricted to `experts`; only those are read when `get` can
-    (model.hf_tensor_reader's read_experts)."""
+    (models/reader.py hf_tensor_reader's read_experts)."""
     read = getattr(get, "read_experts", None)
     return read(name, experts) if read else get(name)[experts.start:experts.stop]
 

@@ -53,6 +53,7 @@ from nemo_grpo.backends.mcore.lora import MegatronLora, parameters_by_name
 from nemo_grpo.backends.model_inputs import ModelInputs, natural_width
 from nemo_grpo.backends.router import RouterLosses
 from nemo_grpo.backends.worker import PolicyWorker
+from nemo_grpo.models.reader import hf_tensor_reader
 from nemo_grpo.models.spec import CAUSAL_LM, SEQ_CLS, model_spec
 from nemo_grpo.weights.transfer import TensorSpec
 
@@ -91,7 +92,7 @@ class MegatronPolicyWorker(PolicyWorker):
         self.edp_rank = ps.get_expert_data_parallel_rank()
         self.is_last_stage = self.pp_rank == pp - 1
         self.output_rank = self.is_last_stage and self.tp_rank == 0 and self.context.rank == 0
-        local = weights.to_megatron(mmodel.hf_tensor_reader(self.model_path), self.spec, tp, self.tp_rank, pp,
+        local = weights.to_megatron(hf_tensor_reader(self.model_path), self.spec, tp, self.tp_rank, pp,
                                     self.pp_rank, ep, self.ep_rank)
         mmodel.load_local(model, local)
         mmodel.mark_tensor_parallel(model, weights.tp_split_dims(self.spec, pp, self.pp_rank))
