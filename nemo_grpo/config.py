@@ -548,10 +548,20 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
+# keys of one back end's section that a user may look for in the other's: where they are built
+BUILT_ELSEWHERE = {
+    "dtensor_cfg.expert_model_parallel_size": "expert parallelism is built on the megatron back end: set "
+    "policy.backend=megatron and policy.megatron_cfg.expert_model_parallel_size (DTensor replicates the experts "
+    "over its tensor-parallel ranks and shards them with FSDP)",
+    "dtensor_cfg.moe_router_replay": "routing replay is built on the megatron back end: set policy.backend=megatron "
+    "and policy.megatron_cfg.moe_router_replay"}
+
+
 def _explain(e: OmegaConfBaseException) -> str:
     key = getattr(e, "full_key", None) or "?"
     msg = str(e).split("\n")[0]
-    return f"config key '{key}': {msg}"
+    elsewhere = [hint for suffix, hint in BUILT_ELSEWHERE.items() if str(key).endswith(suffix)]
+    return f"config key '{key}': {elsewhere[0] if elsewhere else msg}"
 
 
 def read_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, schema: type = None) -> Any:

@@ -139,3 +139,13 @@ def test_routing_replay_needs_routers(tmp_path):
     with pytest.raises(ConfigError, match="'policy.megatron_cfg.moe_router_replay': old_policy, but .* is a dense "
                                           "model"):
         validate_model_layout(_megatron(tmp_path, **{"megatron_cfg.moe_router_replay": "old_policy"}), str(tmp_path))
+
+
+@pytest.mark.parametrize("key,message", [
+    ("policy.dtensor_cfg.expert_model_parallel_size=2", "expert parallelism is built on the megatron back end"),
+    ("policy.dtensor_cfg.moe_router_replay=old_policy", "routing replay is built on the megatron back end")])
+def test_dtensor_points_megatron_keys_to_megatron(key, message):
+    from nemo_grpo.config import read_config
+
+    with pytest.raises(ConfigError, match=f"config key '{key.split('=')[0]}': {message}: set policy.backend=megatron"):
+        read_config(overrides=[key])
