@@ -33,10 +33,10 @@ from nemo_grpo.layout import policy_layout
 
 log = logging.getLogger(__name__)
 TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
-# metrics every rank computes alike (rank 0's are taken): averaged over a call's optimizer steps, or summed
-# the step's global values every rank has: rank 0's (the MoE load imbalance only for a Mixture-of-Experts model)
+# metrics every rank has alike, the step's global values (rank 0's are taken): averaged over a call's optimizer
+# steps (RANK0_MEAN) or summed (RANK0_SUM); the moe/ ones only for a Mixture-of-Experts model
 RANK0_MEAN = ("grad_norm", "lr", "micro_batches", "moe/load_imbalance", "moe/routing_agreement",
-              "moe/router_topk_agreement")  # global values every rank reports: rank 0's, mean over the steps
+              "moe/router_topk_agreement")
 RANK0_SUM = ("skipped_steps",)
 
 
@@ -176,9 +176,7 @@ class Policy:
         column "routed_experts" (routing replay, policy.megatron_cfg.moe_router_replay, and the agreement
         metrics of backends/router.py)."""
         self._need_lm("get_logprobs")
-        if return_routes:
-            return self._forward("get_logprobs", batch, return_routes=True)
-        return self._forward("get_logprobs", batch)
+        return self._forward("get_logprobs", batch, return_routes=return_routes)
 
     def get_reference_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
         """Like get_logprobs with the initial weights: [B, T]. Needs init_reference=True."""

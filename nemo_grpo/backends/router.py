@@ -92,10 +92,14 @@ def routing_matches(chosen: list[torch.Tensor], recorded: torch.Tensor, real: to
     return torch.as_tensor(hits, dtype=torch.float32)
 
 
+def _top_experts(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[N, E] logits -> [N, k] the ids of each position's top-k experts (ties as torch.topk breaks them)."""
+    return torch.topk(logits.detach().float(), top_k, dim=-1).indices
+
+
 def _assignments(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """[N, E] logits -> [N, E] 1.0 at each position's top-k experts (ties as torch.topk breaks them)."""
-    top = torch.topk(logits.detach().float(), top_k, dim=-1).indices
-    return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, top, 1.0)
+    """[N, E] logits -> [N, E] 1.0 at each position's top-k experts."""
+    return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, _top_experts(logits, top_k), 1.0)
 
 
 # ---------------------------------------------------------------------------------------------- in a worker
@@ -194,7 +198,7 @@ class RouterLosses:
         if len(routes) != len(logits):
             raise RuntimeError(f"routing agreement: {len(routes)} layers' routes recorded for {len(logits)} routers")
         counted = real & (recorded >= 0).all(-1).all(-1)  # [N]
-        own = [torch.topk(x.detach().float(), self.top_k, dim=-1).indices for x in logits]
+        own = [_top_experts(x, self.top_k) for x in logits]
         part = torch.stack([routing_matches(routes, recorded, counted).to(counted.device),
                             routing_matches(own, recorded, counted).to(counted.device),
                             counted.sum().float() * len(logits) * self.top_k])
