@@ -267,7 +267,7 @@ def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "polic
     if p.backend == "megatron":
         m, key = p.megatron_cfg, f"{prefix}.megatron_cfg."
         check_megatron_experts(hf, f"{prefix}.megatron_cfg", model_path, m.tensor_model_parallel_size,
-                               m.pipeline_model_parallel_size, m.expert_model_parallel_size, m.sequence_parallel)
+                               m.expert_model_parallel_size, m.sequence_parallel)
         _need(moe_experts(hf) or m.moe_router_replay == "none", key + "moe_router_replay",
               f"{m.moe_router_replay}, but {model_path} is a dense model (no routers to replay); set it to none")
         _need(not (moe_experts(hf) and p.lora.enabled), f"{prefix}.lora.enabled",

@@ -30,6 +30,12 @@ counts: the real tokens are the rows' first input_lengths positions (prompt and 
 Under context parallelism each rank sees a share of the positions: the counts stay exact, the losses are each
 share's (the router-loss coefficients are refused there). Under sequence parallelism a TP rank's router sees a
 share too: the Megatron back end all-gathers the logits and routes over the TP group, so they are exact.
+- Pipeline parallelism: a stage holds some of the layers. The z-loss, the counts and the agreement are sums over
+  layers, so each stage does its own. The load-balancing loss is not (a product of sums over all layers), but
+  it is linear in the probabilities: aux = sum over stages of P_stage . g, g = E f / (L n)^2 from every
+  stage's assignments f. Each stage sends its assignments [E] of a micro-batch to the others at the forward
+  (StageExchange) and, at the backward, receives theirs and backpropagates P_stage . g through an identity on
+  its output (RouterLosses.add_stage); the step's values are summed over the stages in step_metrics.
 - Routing agreement, when a training micro-batch carries recorded routes (`routed_experts` [b, T, L, k]: the
   top-k experts each position went to in an earlier forward, e.g. the log-prob pass of the same weights):
   "moe/routing_agreement", the share of the recorded (position, layer) choices that the training forward routed
@@ -56,11 +62,24 @@ BALANCING_TYPES = ["none", "aux_loss"]
 def load_balancing_loss(logits: list[torch.Tensor], real: torch.Tensor, top_k: int) -> torch.Tensor:
     """HF's load-balancing loss (see the module docstring) of L layers' router logits [N, E] over the positions
     where real [N] (bool) is True; a scalar, differentiable through the probabilities."""
-    weight = real.float()  # [N]
-    n = weight.sum().clamp(min=1.0) * len(logits)
-    assigned = sum(_assignments(x, top_k) * weight[:, None] for x in logits).sum(0)  # [E]
-    probs = sum(torch.softmax(x.float(), dim=-1) * weight[:, None] for x in logits).sum(0)  # [E]
-    return logits[0].shape[-1] * torch.sum(assigned / n * probs / n)
+    assigned, probs = expert_sums(logits, real, top_k)
+    return probs @ balancing_gradient(assigned, real, len(logits))
+
+
+def expert_sums(logits: list[torch.Tensor], real: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over the real positions and the layers: (top-k assignments per expert [E], no gradient; softmax
+    probabilities per expert [E], differentiable)."""
+    weight = real.float()[:, None]  # [N, 1]
+    assigned = sum(_assignments(x, top_k) * weight for x in logits).sum(0)
+    probs = sum(torch.softmax(x.float(), dim=-1) * weight for x in logits).sum(0)
+    return assigned, probs
+
+
+def balancing_gradient(assigned: torch.Tensor, real: torch.Tensor, layers: int) -> torch.Tensor:
+    """d aux / d probs [E] of HF's load-balancing loss aux = E sum_e (assigned_e / n)(probs_e / n), n = the real
+    positions x the layers; aux is linear in probs, so it is also probs @ this. assigned: all layers' [E]."""
+    n = real.float().sum().clamp(min=1.0) * layers
+    return assigned.shape[-1] * assigned / n ** 2
 
 
 def z_loss(logits: list[torch.Tensor], real: torch.Tensor) -> torch.Tensor:
@@ -155,30 +174,30 @@ class RouterLosses:
     """One rank's router terms of a training step: `start_step(N)`, then per micro-batch `recorder.start()`
     right before its forward and `add(real, metrics)` right after (the loss term to add; "moe/aux_loss",
     "moe/z_loss" contributions into metrics), then `step_metrics(group)` (collective over the data-parallel
-    group: "moe/load_imbalance")."""
+    group: "moe/load_imbalance"). Under pipeline parallelism (`stages`) each stage adds its own layers' terms to
+    its output instead (`add_stage`), and step_metrics also gives the step's "moe/aux_loss" and "moe/z_loss"."""
 
-    def __init__(self, cfg, top_k: int):
-        """cfg: policy.megatron_cfg or policy.dtensor_cfg (config.RouterLossConfig)."""
-        self.top_k = top_k
+    def __init__(self, cfg, top_k: int, stages: Optional["StageExchange"] = None):
+        """cfg: policy.megatron_cfg or policy.dtensor_cfg (config.RouterLossConfig); stages: the exchange with
+        the other pipeline stages, whose MoE layers this rank does not hold."""
+        self.top_k, self.stages = top_k, stages
         self.aux_coeff = cfg.moe_aux_loss_coeff if cfg.moe_router_load_balancing_type == "aux_loss" else 0.0
         self.z_coeff = cfg.moe_z_loss_coeff or 0.0
         self.recorder = RouterLogits()
         self.step_tokens = 1.0
         self.counts: Optional[torch.Tensor] = None  # [L, E], this rank's so far this step
         self.agreement: Optional[torch.Tensor] = None  # [3]: matches dispatched, matches of the own top k, choices
+        self.stage_losses = torch.zeros(2)  # pipeline stages: this stage's share of the step's aux and z-loss
 
     def start_step(self, step_tokens: float) -> None:
         """step_tokens: the real tokens of the step's global batch (all micro-batches and DP ranks)."""
         self.step_tokens, self.counts, self.agreement = float(step_tokens), None, None
+        self.stage_losses = torch.zeros(2)
 
     def add(self, real: torch.Tensor, metrics: dict, recorded: Optional[torch.Tensor] = None) -> torch.Tensor:
         """real [r, t]: the real-token mask of the positions the forward saw; recorded [r, t, L, k]: the routes
         recorded for them earlier (-1 where none), for the agreement metrics; -> coeff-weighted loss term."""
-        (logits, routes), real = self.recorder.take(), real.reshape(-1).bool()
-        if not logits:
-            raise RuntimeError("router losses: the training forward recorded no router logits")
-        if recorded is not None:
-            self._add_agreement(logits, routes, recorded.reshape(real.shape[0], *recorded.shape[-2:]), real)
+        logits, real = self._take(real, recorded)
         share = real.sum() / self.step_tokens
         aux = load_balancing_loss(logits, real, self.top_k) * share
         metrics["moe/aux_loss"] = aux.detach()
@@ -187,9 +206,38 @@ class RouterLosses:
             z = z_loss(logits, real) * share
             metrics["moe/z_loss"] = z.detach()
             term = term + self.z_coeff * z
+        return term
+
+    def add_stage(self, output: torch.Tensor, real: torch.Tensor, recorded: Optional[torch.Tensor] = None,
+                  total_layers: int = 1) -> torch.Tensor:
+        """Pipeline parallelism: this stage's output (hidden states or logits), unchanged, whose backward also
+        backpropagates this stage's router terms; real, recorded as in `add` (recorded: this stage's layers).
+        The load-balancing loss is linear in each stage's probabilities once every stage's assignments are known:
+        this stage's are sent at the forward, the others' received at the backward (they are all in by then)."""
+        logits, real = self._take(real, recorded)
+        share = real.sum() / self.step_tokens
+        assigned, probs = expert_sums(logits, real, self.top_k)
+        self.stages.send(assigned)
+        z = z_loss(logits, real) * share if self.z_coeff else probs.new_zeros(())
+        self.stage_losses[1] += float(z.detach())
+
+        def gradients() -> tuple[torch.Tensor, torch.Tensor]:  # in the backward: d loss / d (probs, z)
+            pooled = assigned + self.stages.receive(assigned)
+            d_aux = balancing_gradient(pooled, real, total_layers) * share
+            self.stage_losses[0] += float(probs.detach() @ d_aux)
+            return self.aux_coeff * d_aux, torch.tensor(float(self.z_coeff), device=z.device)
+        return _WithStageTerms.apply(output, probs, z, gradients)
+
+    def _take(self, real: torch.Tensor, recorded: Optional[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The micro-batch's router logits per layer [N, E] and real [N] bool; its counts and agreement noted."""
+        (logits, routes), real = self.recorder.take(), real.reshape(-1).bool()
+        if not logits:
+            raise RuntimeError("router losses: the training forward recorded no router logits")
+        if recorded is not None:
+            self._add_agreement(logits, routes, recorded.reshape(real.shape[0], *recorded.shape[-2:]), real)
         counts = expert_counts(logits, real, self.top_k)
         self.counts = counts if self.counts is None else self.counts + counts
-        return term
+        return logits, real
 
     def _add_agreement(self, logits: list[torch.Tensor], routes: list[torch.Tensor], recorded: torch.Tensor,
                        real: torch.Tensor) -> None:
@@ -205,19 +253,96 @@ class RouterLosses:
         self.agreement = part if self.agreement is None else self.agreement + part
 
     def step_metrics(self, group) -> dict[str, float]:
-        """Collective over `group` (the data-parallel ranks): the step's load imbalance."""
+        """Collective over `group` (the data-parallel ranks), and over the pipeline stages: the step's load
+        imbalance (the worst layer of any stage), the agreement; the stages' aux and z-loss summed."""
         counts, reduce = self.counts, group is not None and dist.get_world_size(group) > 1
         if reduce:
             dist.all_reduce(counts, group=group)
-        out = {"moe/load_imbalance": load_imbalance(counts)}
+        imbalance = torch.tensor([load_imbalance(counts)])
+        out = {}
+        if self.stages is not None:
+            self.stages.finish_step()
+            dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=self.stages.group)
+            dist.all_reduce(self.stage_losses, group=self.stages.group)
+            out["moe/aux_loss"] = float(self.stage_losses[0])
+            if self.z_coeff:
+                out["moe/z_loss"] = float(self.stage_losses[1])
+        out["moe/load_imbalance"] = float(imbalance)
         if self.agreement is not None:  # every rank's micro-batches carried routes (the train call's column)
             agreement = self.agreement.clone()
             if reduce:
                 dist.all_reduce(agreement, group=group)
+            if self.stages is not None:
+                agreement = self.stages.sum(agreement)
             whole = float(agreement[2].clamp(min=1))
             out.update({"moe/routing_agreement": float(agreement[0]) / whole,
                         "moe/router_topk_agreement": float(agreement[1]) / whole})
         return out
+
+    def all_layers(self, routes: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's MoE layers' routes, per layer [N, k] -> every layer's [N, L, k] (gathered over the
+        pipeline stages, in layer order)."""
+        stacked = torch.stack(routes, dim=1)  # [N, L_stage, k]
+        return stacked if self.stages is None else self.stages.gather(stacked)
+
+
+class _WithStageTerms(torch.autograd.Function):
+    """Identity on a pipeline stage's output; its backward also backpropagates the stage's router terms into
+    probs [E] and z (a scalar) with the gradients gradients() returns, called then (Megatron's
+    MoEAuxLossAutoScaler carries its aux loss the same way)."""
+
+    @staticmethod
+    def forward(ctx, output, probs, z, gradients):
+        ctx.gradients = gradients
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        d_probs, d_z = ctx.gradients()
+        return grad, d_probs, d_z, None
+
+
+class StageExchange:
+    """Between the pipeline stages of one model replica, over a gloo group of their ranks (in stage order; CPU
+    tensors, beside the schedule's own transfers): each stage's expert assignments [E] of a micro-batch, sent to
+    every other stage at its forward and received at its backward. Every stage's backward of a micro-batch
+    follows every stage's forward of it, and all run the micro-batches in one order (1F1B), so each receive
+    finds the message it waits for first in line."""
+
+    def __init__(self, group):
+        self.group = group
+        self.ranks = dist.get_process_group_ranks(group)
+        self.peers = [r for r in self.ranks if r != dist.get_rank()]
+        self.pending: list = []  # (work, tensor) of this step's sends
+
+    def send(self, assigned: torch.Tensor) -> None:
+        message = assigned.detach().float().cpu()
+        self.pending += [(dist.isend(message, dst=peer, group=self.group), message) for peer in self.peers]
+
+    def receive(self, like: torch.Tensor) -> torch.Tensor:
+        """The sum of the other stages' assignments of the micro-batch, like `like` [E]."""
+        total = torch.zeros(like.shape, dtype=torch.float32)
+        for peer in self.peers:
+            message = torch.empty_like(total)
+            dist.recv(message, src=peer, group=self.group)
+            total += message
+        return total.to(like.device)
+
+    def finish_step(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending = []
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        out = values.detach().float().cpu()
+        dist.all_reduce(out, group=self.group)
+        return out.to(values.device)
+
+    def gather(self, stage_part: torch.Tensor) -> torch.Tensor:
+        """[N, L_stage, ...] on every stage -> [N, L, ...] in stage (layer) order."""
+        parts = [torch.empty_like(stage_part.cpu()) for _ in self.ranks]
+        dist.all_gather(parts, stage_part.cpu().contiguous(), group=self.group)
+        return torch.cat(parts, dim=1).to(stage_part.device)
 
 
 def validate_router_losses(p, prefix: str = "policy") -> None:

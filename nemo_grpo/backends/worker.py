@@ -289,9 +289,10 @@ class PolicyWorker(RestartableWorker, ABC):
     def _train_loss(self, loss_fn, output: torch.Tensor, mb: dict[str, Any], inputs: ModelInputs,
                     gvs: torch.Tensor, gvt: torch.Tensor, totals: dict[str, float]) -> torch.Tensor:
         """A micro-batch's loss contribution to backpropagate: loss_fn's, plus a Mixture-of-Experts model's
-        router terms (backends/router.py) over the positions the forward saw; its metrics added to totals."""
+        router terms (backends/router.py) over the positions the forward saw (unless each pipeline stage adds its
+        own layers'); its metrics added to totals."""
         loss, metrics = loss_and_metrics(loss_fn, output, mb, gvs, gvt)
-        if self.router is not None:
+        if self.router is not None and self.router.stages is None:
             real = inputs.token_mask if inputs.context is None else inputs.context.take(inputs.token_mask)
             recorded = mb.get("routed_experts")
             if recorded is not None and inputs.context is None:
@@ -336,9 +337,9 @@ class PolicyWorker(RestartableWorker, ABC):
         inputs = self._model_inputs(mb)
         self.router.recorder.start()
         logprobs = self._forward_logprobs(mb, inputs)
-        _, routes = self.router.recorder.take()  # per layer [r * t, k]
+        _, routes = self.router.recorder.take()  # per layer of this rank's [r * t, k]
         r, t = inputs.token_mask.shape
-        stacked = torch.stack(routes, dim=1).reshape(r, t, len(routes), -1)
+        stacked = self.router.all_layers(routes).reshape(r, t, -1, self.router.top_k)
         return logprobs, inputs.to_rows(stacked, mb["input_ids"].shape[1], column_0=True, fill=-1).to(torch.int16)
 
     def get_reference_logprobs(self, data: dict[str, torch.Tensor], micro_batches: Optional[list[list[int]]] = None

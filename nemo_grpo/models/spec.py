@@ -135,34 +135,28 @@ def check_expert_split(experts: int, ep: int, megatron_key: str, model: str) -> 
         raise ConfigError(f"config key '{key}': {ep} does not divide the model's {experts} experts")
 
 
-def megatron_moe_unbuilt(experts: int, megatron_key: str, model: str, tp: int, pp: int,
-                         sequence_parallel: bool) -> list[str]:
+def megatron_moe_unbuilt(experts: int, megatron_key: str, model: str, tp: int, sequence_parallel: bool
+                         ) -> list[str]:
     """What the Megatron back end does not build yet for a Mixture-of-Experts model (one message per key, each
-    naming it); [] for a dense model or a layout it builds (pp = 1; tp > 1 with sequence parallelism, the
-    experts whole on every TP rank). Training refuses these; the planner sizes them (as Megatron-Core lays them
-    out) and says so in a note."""
+    naming it); [] for a dense model or a layout it builds (tp > 1 with sequence parallelism, the experts whole
+    on every TP rank). Training refuses these; the planner sizes them (as Megatron-Core lays them out) and says
+    so in a note."""
     if not experts:
         return []
     key, out = megatron_key + ".", []
     if tp > 1 and not sequence_parallel:
         out.append(f"config key '{key}sequence_parallel': false; megatron's Mixture-of-Experts layers ({model}) "
                    f"under tensor_model_parallel_size {tp} take each TP rank's share of the tokens: set it to true")
-    if pp > 1:
-        out.append(f"config key '{key}pipeline_model_parallel_size': {pp}; megatron builds Mixture-of-Experts models "
-                   f"({model}: {experts} experts) at pipeline parallel size 1 only so far: split the experts with "
-                   f"{key}expert_model_parallel_size and {key}tensor_model_parallel_size, or use "
-                   f"{megatron_key.rpartition('.')[0]}.backend=dtensor (FSDP2 + TP on attention)")
     return out
 
 
-def check_megatron_experts(cfg, megatron_key: str, model: str, tp: int, pp: int, ep: int,
-                           sequence_parallel: bool) -> None:
+def check_megatron_experts(cfg, megatron_key: str, model: str, tp: int, ep: int, sequence_parallel: bool
+                           ) -> None:
     """What the Megatron back end builds of a model's experts, a ConfigError naming the key otherwise
-    (`megatron_key`: e.g. policy.megatron_cfg): MoE at pipeline_model_parallel_size 1, under TP with
-    sequence_parallel (each expert whole on every TP rank), with an expert_model_parallel_size that divides
-    the experts; 1 for a dense model."""
+    (`megatron_key`: e.g. policy.megatron_cfg): MoE under TP with sequence_parallel (each expert whole on every
+    TP rank), with an expert_model_parallel_size that divides the experts; 1 for a dense model."""
     experts = moe_experts(cfg)
-    unbuilt = megatron_moe_unbuilt(experts, megatron_key, model, tp, pp, sequence_parallel)
+    unbuilt = megatron_moe_unbuilt(experts, megatron_key, model, tp, sequence_parallel)
     if unbuilt:
         raise ConfigError(unbuilt[0])
     check_expert_split(experts, ep, megatron_key, model)

@@ -10,7 +10,7 @@ What each back end keeps, read off nemo_grpo/backends/:
              each layer, whole over tp (expert tensor parallel size 1); their gradients are reduced, and under
              the distributed optimizer their masters and moments sharded, over the expert-data-parallel ranks
              (tp x cp x dp / ep), the rest over dp; plus the alltoall dispatch buffers of the layer running.
-             Layouts the back end does not build for MoE yet (tp or pp > 1, the distributed optimizer) are
+             Layouts the back end does not build for MoE yet (tp > 1 without sequence parallelism) are
              sized all the same, with a note that training refuses them.
   dtensor    FSDP2: fp32 parameters, gradients and optimizer state sharded over dp (linear weights split over
              tp first); the largest unit all-gathered in the compute dtype, x2 (the next one is prefetched); loading
@@ -502,7 +502,7 @@ def _moe_notes(p, spec, layout) -> list[str]:
              f"TP 1); expert data parallel {edp} (tp x cp x dp / ep), the group their gradients are reduced "
              f"over{' and their masters and optimizer state sharded over' if m.use_distributed_optimizer else ''}"]
     return notes + [f"training refuses this layout today: {u}" for u in megatron_moe_unbuilt(
-        spec.experts, "policy.megatron_cfg", p.model_name, layout.tp, layout.pp, m.sequence_parallel)]
+        spec.experts, "policy.megatron_cfg", p.model_name, layout.tp, m.sequence_parallel)]
 
 
 def _vllm_rows(cfg, spec, gpu: float) -> tuple[dict[str, float], list[str], str]:

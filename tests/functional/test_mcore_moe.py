@@ -15,7 +15,8 @@ import pytest
 import ray
 import torch
 from policy_checks import (TokenPGLoss, assert_logprobs_match_hf, check_checkpoint_resumes, check_routes_match_hf,
-                           check_train_parity, export_state, load_hf, make_batch, max_diff, policy_config)
+                           check_train_parity, export_state, load_hf, make_batch, max_diff, policy_config,
+                           reference_train)
 from test_mcore_policy import FOUR, megatron_policy
 from train_runs import read_metrics, train_in_process
 from transformers import AutoConfig
@@ -31,8 +32,8 @@ EP2 = {"megatron_cfg.expert_model_parallel_size": 2, **ROUTER}
 DISTOPT = {"megatron_cfg.use_distributed_optimizer": True}
 
 
-@pytest.mark.parametrize("layout,extra", [("tp1", ROUTER), ("dp2", ROUTER), ("dp2", EP2), ("tp2_sp", ROUTER)],
-                         ids=["tp1", "dp2", "ep2", "tp2_sp"])
+@pytest.mark.parametrize("layout,extra", [("tp1", ROUTER), ("dp2", ROUTER), ("dp2", EP2), ("tp2_sp", ROUTER),
+                                          ("pp2", ROUTER)], ids=["tp1", "dp2", "ep2", "tp2_sp", "pp2"])
 def test_moe_matches_hf(policy_pool, tiny_model_dir, layout, extra):
     """The export is the checkpoint bit for bit (the experts gathered from their EP ranks into HF's fused
     tensors), log-probs within 1e-5 of HF's, and one step's weights within 1e-4 of a single-process HF step with
@@ -77,17 +78,19 @@ def test_distributed_optimizer_matches_hf_and_resumes_in_one_process(policy_pool
                                  make_batch(4, seed=3), str(tmp_path / "ckpt"))
 
 
-def assert_sharded_once(policy, path: str, sizes: list[int], tp: int = 1) -> None:
+def assert_sharded_once(policy, path: str, sizes: list[int], tp: int = 1, pp: int = 1) -> None:
     """Every worker's DistributedOptimizers (the dense one, then the experts') shard over groups of `sizes`, and
     every parameter element of the model has its fp32 main and optimizer state on exactly one rank of each TP
-    group (the TP-replicated norms and routers on each of its tp ranks; the vocabulary's padding rows too)."""
+    group (the TP-replicated norms and routers on each of its tp ranks; the vocabulary's padding rows too; a
+    tied embedding's copy on the last of pp stages too)."""
     shards = policy.group.run_all("__ray_call__", optimizer_shards)
     assert [[size for size, _ in rank] for rank in shards] == [sizes] * policy.group.world_size
     spec = model_spec(AutoConfig.from_pretrained(path), tp=tp)
     replicated = sum(math.prod(e.shape) for e in weights.entries(spec) if e.kind == "copy")
     padding = (spec.padded_vocab - spec.vocab) * spec.hidden * (1 if spec.tied else 2)
+    stage_copy = spec.padded_vocab * spec.hidden if spec.tied and pp > 1 else 0
     total = sum(p.numel() for p in load_hf(path).parameters())
-    assert sum(n for rank in shards for _, n in rank) == total + (tp - 1) * replicated + padding
+    assert sum(n for rank in shards for _, n in rank) == total + (tp - 1) * replicated + padding + stage_copy
 
 
 def optimizer_shards(worker) -> list[tuple[int, int]]:
@@ -100,16 +103,19 @@ def optimizer_shards(worker) -> list[tuple[int, int]]:
 
 TP2_SP = {"megatron_cfg.tensor_model_parallel_size": 2, "megatron_cfg.sequence_parallel": True}
 # on 4 ranks with ep 2: overrides, and with the distributed optimizer the sizes of its (dense, expert) groups
-ON_FOUR = {"dp4": ({}, None), "dp4_distopt": (DISTOPT, [4, 2]), "tp2_sp_ep2_distopt": ({**TP2_SP, **DISTOPT}, [2, 2])}
+ON_FOUR = {"dp4": ({}, None), "dp4_distopt": (DISTOPT, [4, 2]), "tp2_sp_ep2_distopt": ({**TP2_SP, **DISTOPT}, [2, 2]),
+           "pp2_ep2_distopt": ({"megatron_cfg.pipeline_model_parallel_size": 2, **DISTOPT}, [2, 1])}
 
 
 @pytest.mark.parametrize("layout", list(ON_FOUR))
 def test_ep2_on_four_ranks_sums_expert_gradients_over_expert_data_parallel(policy_pool, tiny_model_dir, layout):
     """ep 2 on 4 ranks, each expert on two of them (expert-data-parallel group of 2), whose gradients are summed
     over that group: at dp 4 the shared weights' over all 4; at tp 2 (sequence parallel) x dp 2 the TP peers
-    hold different experts (expert TP 1), the shared weights' summed over TP then dp 2. Exported, the
-    checkpoint; one step, the single-process step and norm. With the distributed optimizer the experts' main
-    weights and Adam state are sharded over their group of 2, the rest over the data-parallel group."""
+    hold different experts (expert TP 1), the shared weights' summed over TP then dp 2. At pp 2 x dp 2 each
+    stage's layers' experts are split over its two ranks (the router losses pooled over the stages). Exported,
+    the checkpoint; one step, the single-process step and norm. With the distributed optimizer the experts' main
+    weights and Adam state are sharded over their expert-data-parallel group, the rest over the data-parallel
+    group."""
     path = tiny_model_dir("qwen3_moe")
     overrides, sizes = ON_FOUR[layout]
     cfg = policy_config(path, backend="megatron", **EP2, **overrides)
@@ -118,10 +124,30 @@ def test_ep2_on_four_ranks_sums_expert_gradients_over_expert_data_parallel(polic
         assert max_diff(export_state(policy), load_hf(path).state_dict()) == 0.0
         check_train_parity(policy, path, make_batch(4, seed=2))  # one row per DP rank, one step
         if sizes:
-            assert_sharded_once(policy, path, sizes, overrides.get("megatron_cfg.tensor_model_parallel_size", 1))
+            assert_sharded_once(policy, path, sizes, overrides.get("megatron_cfg.tensor_model_parallel_size", 1),
+                                overrides.get("megatron_cfg.pipeline_model_parallel_size", 1))
 
 
-@pytest.mark.parametrize("layout,extra", [("dp2", EP2), ("tp2_sp", ROUTER)], ids=["ep2", "tp2_sp"])
+def test_recipe_options_packing_and_recompute_at_pp2(policy_pool, tiny_model_dir):
+    """The MoE recipes' options at pp 2: sequence packing (bins of several sequences, attention per sequence;
+    the routers see each bin's tokens) and activation recomputation (the routers run again in the backward).
+    Log-probs are HF's on the padded rows, one step is the single-process HF step (its router losses off:
+    recomputation refuses them)."""
+    path = tiny_model_dir("qwen3_moe")
+    batch = make_batch(4, seed=19, t=12)  # lengths 12 3 5 5: bins of budget 20 [12 5 3] [5]
+    packing = {"sequence_packing.enabled": True, "sequence_packing.train_mb_tokens": 20,
+               "sequence_packing.logprob_mb_tokens": 40, "sequence_packing.sequence_length_round": 4}
+    with megatron_policy(policy_pool, path, "pp2", **packing, **{"megatron_cfg.activation_checkpointing": True}) as p:
+        assert_logprobs_match_hf(p, path, batch)
+        start = export_state(p)
+        metrics = p.train(batch, TokenPGLoss())
+        assert metrics["micro_batches"] == 2.0
+        ref_state = reference_train(path, start, batch, p.cfg)[0]
+        assert 1e-3 < max_diff(export_state(p), start) and max_diff(export_state(p), ref_state) <= 1e-4
+
+
+@pytest.mark.parametrize("layout,extra", [("dp2", EP2), ("tp2_sp", ROUTER), ("pp2", ROUTER)],
+                         ids=["ep2", "tp2_sp", "pp2"])
 def test_routing_replay_routes_as_recorded(policy_pool, tiny_model_dir, layout, extra):
     """Routing replay (policy.megatron_cfg.moe_router_replay old_policy) at dp 2 x ep 2, and at TP=2 with sequence
     parallelism (each TP rank's router recording, and replaying, its share of the positions). get_logprobs records

@@ -48,8 +48,6 @@ def test_both_back_ends_take_moe(tmp_path):
      "3 does not divide the model's 8 experts"),
     ({"megatron_cfg.tensor_model_parallel_size": 2}, "policy.megatron_cfg.sequence_parallel",
      "false; .* under tensor_model_parallel_size 2 take each TP rank's share of the tokens: set it to true"),
-    ({"megatron_cfg.pipeline_model_parallel_size": 2}, "policy.megatron_cfg.pipeline_model_parallel_size",
-     "at pipeline parallel size 1 only so far"),
     ({"lora.enabled": True}, "policy.lora.enabled", "not with a Mixture-of-Experts model on megatron yet"),
     ({"megatron_cfg.context_parallel_size": 2}, "policy.megatron_cfg.context_parallel_size",
      "2: not with a Mixture-of-Experts model yet")])

@@ -10,13 +10,14 @@ Only what differs from `PolicyWorker` is here:
 - gradients: TP all-reduce of replicated-but-partial grads (Qwen3 q/k norms, sequence-parallel norms), the
   tied-embedding grad sum between first and last stage, then a data-parallel SUM (losses use global counts);
 - the clipped norm counts every element once (TP duplicates and the last stage's tied copy skipped);
-- Mixture-of-Experts (Qwen3-MoE, at pp = 1; under TP with sequence parallelism, each expert whole on every TP
-  rank: expert TP 1): Megatron's MoELayer (TopKRouter, SequentialMLP experts, alltoall token dispatch);
+- Mixture-of-Experts (Qwen3-MoE; under TP with sequence parallelism, each expert whole on every TP rank:
+  expert TP 1): Megatron's MoELayer (TopKRouter, SequentialMLP experts, alltoall token dispatch);
   expert_model_parallel_size splits each layer's experts over ep of the tp x dp ranks (each loads its own);
   expert gradients are summed over the expert-data-parallel group, counted once per expert in the norm, and
   all-gathered over the expert-parallel group for export; the
   router's load-balancing / z-loss and routing metrics are backends/router.py's (HF's definition), from the
-  router logits model.record_router_logits captures, not Megatron's own aux-loss machinery;
+  router logits model.record_router_logits captures, not Megatron's own aux-loss machinery; under PP each
+  stage adds its layers' terms to its output (RouterLosses.add_stage, exchanging assignments with the others);
 - export: TP shards all-gathered on the owning stage, mapped to full HF tensors, sent to rank 0;
 - checkpoints: torch.distributed.checkpoint of HF-named full tensors (weights and optimizer moments), so a
   checkpoint loads at any TP / PP / DP layout;
@@ -51,7 +52,7 @@ from nemo_grpo.backends.mcore.attention import context_params, segment_params
 from nemo_grpo.backends.mcore.distopt import MegatronDistributedOptimizer, ShardedState
 from nemo_grpo.backends.mcore.lora import MegatronLora, parameters_by_name
 from nemo_grpo.backends.model_inputs import ModelInputs, natural_width
-from nemo_grpo.backends.router import RouterLosses
+from nemo_grpo.backends.router import RouterLosses, StageExchange
 from nemo_grpo.backends.worker import PolicyWorker
 from nemo_grpo.models.reader import hf_tensor_reader
 from nemo_grpo.models.spec import CAUSAL_LM, SEQ_CLS, model_spec
@@ -104,7 +105,10 @@ class MegatronPolicyWorker(PolicyWorker):
             local.update(self.adapters.initial)
         self.model = model
         if self.spec.experts:
-            self.router = RouterLosses(m, self.spec.experts_per_token)
+            stages = StageExchange(_pipeline_gloo_group()) if pp > 1 else None
+            self.router = RouterLosses(m, self.spec.experts_per_token, stages)
+            stage_layers = self.spec.num_layers // pp  # every layer sparse (model_spec), split evenly
+            self.moe_layers = slice(self.pp_rank * stage_layers, (self.pp_rank + 1) * stage_layers)
             mmodel.record_router_logits(model, self.router.recorder, self.mconfig.sequence_parallel)
         self.replay_routes = bool(self.spec.experts) and m.moe_router_replay != "none"
         self.rope_positions = mmodel.RotaryPositions(model)
@@ -119,6 +123,8 @@ class MegatronPolicyWorker(PolicyWorker):
     def teardown(self) -> None:
         """Also Megatron-Core's model-parallel state (its groups, the global buffers), which is per process."""
         ps.destroy_model_parallel()
+        if self.router is not None and self.router.stages is not None:
+            dist.destroy_process_group(self.router.stages.group)
         super().teardown()
 
     def _main_params(self, local: dict[str, torch.Tensor], trainable: dict[str, torch.nn.Parameter]
@@ -212,16 +218,21 @@ class MegatronPolicyWorker(PolicyWorker):
             own_positions = inputs.packed or inputs.context is not None
             pos = inputs.position_ids if own_positions else torch.arange(ids.shape[1], device=ids.device)[None]
             mask = ~inputs.attention_mask if inputs.attention_mask is not None and inputs.packed else None
-            replay = self.router is not None and self.replay_routes and "routed_experts" in mb
+            # this stage's MoE layers' recorded routes [r, t, L_stage, k]
+            routes = inputs.from_rows(mb["routed_experts"][:, :, self.moe_layers], -1) \
+                if self.router is not None and "routed_experts" in mb else None
+            replay = routes is not None and self.replay_routes
             if self.router is not None:
                 self.router.recorder.start()
             if replay:  # a training forward routes as recorded (policy.megatron_cfg.moe_router_replay)
-                mmodel.replay_routes(inputs.from_rows(mb["routed_experts"], -1), self.mconfig.sequence_parallel)
+                mmodel.replay_routes(routes, self.mconfig.sequence_parallel)
             with self.rope_positions.use(inputs.position_ids if own_positions else None):
                 output = model(ids, pos.expand_as(ids), attention_mask=mask,
                                packed_seq_params=_attention_params(inputs))
             if replay:
                 mmodel.stop_replay()
+            if self.router is not None and self.router.stages is not None and not forward_only:
+                output = self.router.add_stage(output, inputs.token_mask, routes, self.spec.num_layers)
             return output, partial(closure, mb, inputs)
 
         def closure(mb, inputs, output):
@@ -504,6 +515,21 @@ class MegatronPolicyWorker(PolicyWorker):
         for n, p in self.main.items():
             state[p].update({key: by_name[n].to(self.device).clone() for key, by_name in moments.items()})
             state[p].update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()})
+
+
+def _pipeline_gloo_group():
+    """A gloo group of this rank's pipeline (Megatron's pipeline group: its ranks in stage order), for the
+    router's exchange between stages (backends/router.StageExchange). Every rank creates every pipeline's, in
+    one order, as torch.distributed requires."""
+    mine = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    group = None
+    for ranks in sorted({tuple(r) for r in every}):
+        created = dist.new_group(list(ranks), backend="gloo")
+        if list(ranks) == mine:
+            group = created
+    return group
 
 
 def _attention_params(inputs: ModelInputs):
