@@ -86,13 +86,15 @@ def test_bf16_policy_matches_fp32_hf(ray_cluster, tiny_model_dir, backend):
         check_bf16_step(policy, path, make_batch(4, seed=9))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_bf16_moe_policy_matches_fp32_hf(ray_cluster, tiny_model_dir, backend):
+@pytest.mark.parametrize("backend,distopt", [*((b, False) for b in BACKENDS), ("megatron", True)],
+                         ids=[*BACKENDS, "megatron_distopt"])
+def test_bf16_moe_policy_matches_fp32_hf(ray_cluster, tiny_model_dir, backend, distopt):
     """Qwen3-MoE (the tiny one: 8 experts, top-2) on one GPU in bf16 (Megatron: its MoELayer, the alltoall
-    dispatcher over a group of one): log-probs close to fp32 HF, fp32 master weights, one step close to the fp32
-    reference step."""
+    dispatcher over a group of one; also with the distributed optimizer's dense and expert optimizers): log-probs
+    close to fp32 HF, fp32 master weights, one step close to the fp32 reference step."""
     require_backend(backend)
     path = tiny_model_dir("qwen3_moe")
-    with Policy(policy_config(path, backend=backend, precision="bfloat16"), ONE_GPU, path) as policy:
+    extra = {"megatron_cfg.use_distributed_optimizer": True} if distopt else {}
+    with Policy(policy_config(path, backend=backend, precision="bfloat16", **extra), ONE_GPU, path) as policy:
         assert (policy.devices, policy.dist_backend) == (["cuda:0"], "nccl")
         check_bf16_step(policy, path, make_batch(4, seed=9))
