@@ -18,7 +18,8 @@ Peak: H100 SXM bf16 dense, 989 TFLOP/s (the H200 the same); --peak-tflops for an
 --moe: a Qwen3-MoE with Qwen3-30B-A3B's layer (hidden 2048, 32 heads of 128, 4 KV heads, experts of FFN 768, top-8
 renormalised, vocabulary 151936, untied) but 4 layers of 64 experts instead of 48 of 128 (~1.7B parameters: its fp32
 masters and Adam state fit one GPU); N in the MFU is then the parameters a token computes with (8 experts a layer).
-Megatron runs its MoELayer (SequentialMLP experts, alltoall dispatcher over a group of one), DTensor HF's module.
+Megatron runs its MoELayer (its SequentialMLP's experts computed by two torch grouped matmuls a layer,
+backends/mcore/grouped_experts.py; alltoall dispatcher over a group of one), DTensor HF's module.
 """
 
 from __future__ import annotations

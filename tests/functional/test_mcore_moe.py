@@ -1,5 +1,5 @@
 """Qwen3-MoE (8 experts, top-2, renormalised top-k weights; every layer sparse) on the Megatron back end: its
-MoELayer (TopKRouter, SequentialMLP experts, alltoall token dispatch over gloo) against the single-process
+MoELayer (TopKRouter, grouped-GEMM experts, alltoall token dispatch over gloo) against the single-process
 Hugging Face model, in one process, at DP=2 (experts replicated), at expert parallelism 2 (dp 2 x ep 2: each
 rank holds 4 of the 8 experts, tokens exchanged all-to-all) and at dp 4 x ep 2 (each expert on two ranks, its
 gradient summed over the expert-data-parallel group); Megatron-Core's distributed optimizer at DP=2, dp 2 x ep 2
@@ -43,6 +43,8 @@ def test_moe_matches_hf(policy_pool, tiny_model_dir, layout, extra):
     with megatron_policy(policy_pool, path, layout, **extra) as policy:
         ep = extra.get("megatron_cfg.expert_model_parallel_size", 1)
         assert policy.group.run_all("__ray_call__", local_experts) == [8 // ep] * policy.group.world_size
+        grouped = ["GroupedSequentialMLP"]  # SequentialMLP's experts computed by grouped GEMMs (grouped_experts.py)
+        assert policy.group.run_all("__ray_call__", expert_modules) == [grouped] * policy.group.world_size
         assert max_diff(export_state(policy), load_hf(path).state_dict()) == 0.0
         assert_logprobs_match_hf(policy, path, make_batch(5, seed=7))
         check_train_parity(policy, path, make_batch(4, seed=1))
@@ -51,6 +53,11 @@ def test_moe_matches_hf(policy_pool, tiny_model_dir, layout, extra):
 def local_experts(worker) -> int:
     """The experts a worker holds of its first layer."""
     return sum(1 for n in worker.params if n.startswith("decoder.layers.0.mlp.experts.") and n.endswith("fc1.weight"))
+
+
+def expert_modules(worker) -> list[str]:
+    """The class names of a worker's MoE expert modules (grouped_experts.GroupedSequentialMLP: grouped GEMMs)."""
+    return sorted({type(m).__name__ for n, m in worker.model.named_modules() if n.endswith(".mlp.experts")})
 
 
 def test_ep2_checkpoint_resumes_in_one_process(policy_pool, tiny_model_dir, tmp_path):

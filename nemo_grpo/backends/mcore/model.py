@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from nemo_grpo.backends.mcore.attention import SDPAttention
+from nemo_grpo.backends.mcore.grouped_experts import HAS_GROUPED_MM, GroupedSequentialMLP
 from nemo_grpo.models.spec import ModelSpec
 
 
@@ -165,7 +166,9 @@ def _softmax_scale(spec: ModelSpec):
 
 def build_gpt(spec: ModelSpec, config, attention: str = "sdpa") -> nn.Module:
     """The GPTModel chunk of this rank's pipeline stage (scalar head on the last stage when spec.scalar_head).
-    attention: the local spec's core attention, sdpa (attention.SDPAttention) or unfused (Megatron's own)."""
+    attention: the local spec's core attention, sdpa (attention.SDPAttention) or unfused (Megatron's own).
+    MoE experts (local spec): grouped_experts.GroupedSequentialMLP where torch has grouped_mm, SequentialMLP's
+    parameters computed by two grouped matmuls; else Megatron's SequentialMLP (a loop over the experts)."""
     post = ps.is_pipeline_last_stage()
     RouterReplay.clear_global_router_replay_instances()  # per process; a restarted worker's were its last model's
     if spec.transformer_engine:  # fused norm + linear kernels; weights.py names the norms accordingly
@@ -175,6 +178,8 @@ def build_gpt(spec: ModelSpec, config, attention: str = "sdpa") -> nn.Module:
                                               normalization="RMSNorm", qk_layernorm=spec.qk_norm)
         if attention == "sdpa":
             layer_spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        if spec.experts and HAS_GROUPED_MM:  # SequentialMLP's experts, computed by two grouped matmuls
+            layer_spec.submodules.mlp.submodules.experts.module = GroupedSequentialMLP
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
