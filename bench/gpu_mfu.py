@@ -4,6 +4,7 @@
     python bench/gpu_mfu.py --micro 2 --repeats 10 --only dtensor
     python bench/gpu_mfu.py --device cpu --tiny      # smoke run of this script on a CPU (a tiny Llama, ~30 s)
     python bench/gpu_mfu.py --moe                    # a Qwen3-MoE (Qwen3-30B-A3B's layer, 4 layers, 64 experts)
+    python bench/gpu_mfu.py --moe --only dtensor megatron megatron_loop   # Megatron's experts grouped vs looped
 
 The model: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads of 64, 8 KV heads, FFN 8192, vocabulary
 128256, tied embeddings), random weights, saved once as a Hugging Face directory that both back ends load.
@@ -19,7 +20,8 @@ Peak: H100 SXM bf16 dense, 989 TFLOP/s (the H200 the same); --peak-tflops for an
 renormalised, vocabulary 151936, untied) but 4 layers of 64 experts instead of 48 of 128 (~1.7B parameters: its fp32
 masters and Adam state fit one GPU); N in the MFU is then the parameters a token computes with (8 experts a layer).
 Megatron runs its MoELayer (its SequentialMLP's experts computed by two torch grouped matmuls a layer,
-backends/mcore/grouped_experts.py; alltoall dispatcher over a group of one), DTensor HF's module.
+backends/mcore/grouped_experts.py; alltoall dispatcher over a group of one), DTensor HF's module; megatron_loop
+is Megatron with policy.megatron_cfg.moe_grouped_gemm=false (SequentialMLP's loop over the experts).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch  # noqa: E402
 from policy_layouts import make_batch, time_train_steps  # noqa: E402  (bench/policy_layouts.py)
 
 BACKENDS = ("dtensor", "megatron")
+VARIANTS = (*BACKENDS, "megatron_loop")  # megatron_loop: Megatron's experts in SequentialMLP's loop
 H100_BF16_DENSE_TFLOPS = 989.0
 # Hugging Face LlamaConfig fields (tie_word_embeddings: True, from nemo_grpo.models.tiny.tiny_config)
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -81,16 +84,18 @@ def model_flops_per_step(n_params: int, shape: dict, seq_len: int, tokens: int) 
     return 6.0 * n_params * tokens + 12.0 * shape["num_hidden_layers"] * shape["hidden_size"] * seq_len * tokens
 
 
-def policy_config(backend: str, path: str, args):
+def policy_config(variant: str, path: str, args):
     """bf16 PolicyConfig: one global batch of args.batch rows in micro-batches of args.micro."""
     from nemo_grpo.config import PolicyConfig
 
+    backend = variant.partition("_")[0]
     cfg = PolicyConfig(model_name=path, backend=backend, precision="bfloat16", train_global_batch_size=args.batch,
                        train_micro_batch_size=args.micro, logprob_batch_size=args.micro,
                        max_total_sequence_length=args.seq_len)
     cfg.dtensor_cfg.activation_checkpointing = args.activation_checkpointing
     cfg.megatron_cfg.activation_checkpointing = args.activation_checkpointing
     cfg.megatron_cfg.layer_spec = args.megatron_layer_spec
+    cfg.megatron_cfg.moe_grouped_gemm = variant != "megatron_loop"
     return cfg
 
 
@@ -98,7 +103,7 @@ def time_backend(backend: str, path: str, batch: dict, args) -> dict:
     """{"seconds", "devices", "dist_backend"} of one back end, or {"error": why} (missing package, OOM...)."""
     from nemo_grpo.config import ClusterConfig
 
-    if backend == "megatron" and importlib.util.find_spec("megatron") is None:
+    if backend.startswith("megatron") and importlib.util.find_spec("megatron") is None:
         return {"error": "megatron-core is not installed"}
     cluster = ClusterConfig(gpus_per_node=1, num_nodes=1, num_threads_per_worker=args.threads)
     try:
@@ -143,10 +148,10 @@ def print_table(rows: dict, args, n_params: tuple[int, int], shape: dict) -> Non
     stats = {b: derived(r, flops, args.batch * args.seq_len, args.peak_tflops) for b, r in ok.items()}
     names = list(rows)
     both = all(b in stats for b in BACKENDS)
-    print(f"{'':10s}" + "".join(f"{b:>12s}" for b in names) + (f"{'megatron/dtensor':>18s}" if both else ""))
-    for metric, fmt in (("s/step", "{:12.3f}"), ("tokens/s", "{:12.0f}"), ("TFLOP/s", "{:12.1f}"),
-                        ("MFU", "{:12.1%}")):
-        cells = "".join(fmt.format(stats[b][metric]) if b in stats else f"{'failed':>12s}" for b in names)
+    print(f"{'':10s}" + "".join(f"{b:>15s}" for b in names) + (f"{'megatron/dtensor':>18s}" if both else ""))
+    for metric, fmt in (("s/step", "{:15.3f}"), ("tokens/s", "{:15.0f}"), ("TFLOP/s", "{:15.1f}"),
+                        ("MFU", "{:15.1%}")):
+        cells = "".join(fmt.format(stats[b][metric]) if b in stats else f"{'failed':>15s}" for b in names)
         ratio = f"{stats['megatron'][metric] / stats['dtensor'][metric]:17.2f}x" if both else ""
         print(f"{metric:10s}{cells}{ratio}")
     for b, r in rows.items():
@@ -156,7 +161,7 @@ def print_table(rows: dict, args, n_params: tuple[int, int], shape: dict) -> Non
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    ap.add_argument("--only", nargs="+", choices=VARIANTS, default=list(BACKENDS))
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and batch (a smoke run, e.g. on a CPU)")
     ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE (Qwen3-30B-A3B's layer) instead of the Llama")

@@ -83,8 +83,11 @@ class MegatronConfig(RouterLossConfig):
     activation_checkpointing: bool = False  # full recomputation of every layer in the backward pass
     # Mixture-of-Experts routing replay: none | old_policy (R2: the training forward routes every position to the
     # experts the log-prob pass of the same weights chose, recorded per position and layer) | engine (R3: the
-    # generation engine's routes; not built yet)
+    # routes the generation engine recorded while it sampled; the torch engine records them)
     moe_router_replay: str = "none"
+    # Mixture-of-Experts: each layer's local experts computed by two torch grouped matmuls (where torch has
+    # grouped_mm; backends/mcore/grouped_experts.py) instead of Megatron-Core's SequentialMLP loop over them
+    moe_grouped_gemm: bool = True
     layer_spec: str = "local"  # local (torch modules) | transformer_engine (needs Transformer Engine)
     # core attention of the local spec: sdpa (torch's scaled_dot_product_attention: flash / memory-efficient
     # kernels, no [s, s] scores kept) | unfused (Megatron's DotProductAttention); TE's spec has its own

@@ -164,11 +164,12 @@ def _softmax_scale(spec: ModelSpec):
     return spec.head_dim ** -0.5 * scaling.attention_factor ** 2
 
 
-def build_gpt(spec: ModelSpec, config, attention: str = "sdpa") -> nn.Module:
+def build_gpt(spec: ModelSpec, config, attention: str = "sdpa", grouped_experts: bool = True) -> nn.Module:
     """The GPTModel chunk of this rank's pipeline stage (scalar head on the last stage when spec.scalar_head).
     attention: the local spec's core attention, sdpa (attention.SDPAttention) or unfused (Megatron's own).
-    MoE experts (local spec): grouped_experts.GroupedSequentialMLP where torch has grouped_mm, SequentialMLP's
-    parameters computed by two grouped matmuls; else Megatron's SequentialMLP (a loop over the experts)."""
+    MoE experts (local spec): with grouped_experts (policy.megatron_cfg.moe_grouped_gemm), where torch has
+    grouped_mm, grouped_experts.GroupedSequentialMLP: SequentialMLP's parameters computed by two grouped matmuls;
+    else Megatron's SequentialMLP (a loop over the experts)."""
     post = ps.is_pipeline_last_stage()
     RouterReplay.clear_global_router_replay_instances()  # per process; a restarted worker's were its last model's
     if spec.transformer_engine:  # fused norm + linear kernels; weights.py names the norms accordingly
@@ -178,7 +179,7 @@ def build_gpt(spec: ModelSpec, config, attention: str = "sdpa") -> nn.Module:
                                               normalization="RMSNorm", qk_layernorm=spec.qk_norm)
         if attention == "sdpa":
             layer_spec.submodules.self_attention.submodules.core_attention = SDPAttention
-        if spec.experts and HAS_GROUPED_MM:  # SequentialMLP's experts, computed by two grouped matmuls
+        if spec.experts and grouped_experts and HAS_GROUPED_MM:  # SequentialMLP's, by two grouped matmuls
             layer_spec.submodules.mlp.submodules.experts.module = GroupedSequentialMLP
     model = GPTModel(
         config=config,

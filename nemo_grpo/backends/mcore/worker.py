@@ -82,7 +82,7 @@ class MegatronPolicyWorker(PolicyWorker):
                                            transformer_engine=m.layer_spec == "transformer_engine")
             dtype = torch.bfloat16 if self.cfg.precision == "bfloat16" else torch.float32
             self.mconfig = mmodel.transformer_config(self.spec, m, dtype)
-            model = mmodel.build_gpt(self.spec, self.mconfig, m.attention_backend).to(self.device)
+            model = mmodel.build_gpt(self.spec, self.mconfig, m.attention_backend, m.moe_grouped_gemm).to(self.device)
         self.tp_size, self.pp_size = tp, pp
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         # the data this rank takes (its CP peers take the same rows); Megatron's data-parallel group is dp x cp
