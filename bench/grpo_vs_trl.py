@@ -67,6 +67,9 @@ class RecordingRefitter:
         self.stats.append(stats)
         return stats
 
+    def close(self) -> None:
+        self.inner.close()
+
 
 def nemo_overrides(engine: str, args, log_dir: str) -> list[str]:
     per_rank = args.samples // args.policy_ranks  # the recipe's micro-batches (32 / 64), or a smaller batch's
