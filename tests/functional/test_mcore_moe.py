@@ -111,7 +111,8 @@ def optimizer_shards(worker) -> list[tuple[int, int]]:
 TP2_SP = {"megatron_cfg.tensor_model_parallel_size": 2, "megatron_cfg.sequence_parallel": True}
 # on 4 ranks with ep 2: overrides, and with the distributed optimizer the sizes of its (dense, expert) groups
 ON_FOUR = {"dp4": ({}, None), "dp4_distopt": (DISTOPT, [4, 2]), "tp2_sp_ep2_distopt": ({**TP2_SP, **DISTOPT}, [2, 2]),
-           "pp2_ep2_distopt": ({"megatron_cfg.pipeline_model_parallel_size": 2, **DISTOPT}, [2, 1])}
+           "pp2_ep2_distopt": ({"megatron_cfg.pipeline_model_parallel_size": 2, **DISTOPT}, [2, 1]),
+           "tp2_sp_pp2_ep2": ({**TP2_SP, "megatron_cfg.pipeline_model_parallel_size": 2}, None)}
 
 
 @pytest.mark.parametrize("layout", list(ON_FOUR))
@@ -119,7 +120,8 @@ def test_ep2_on_four_ranks_sums_expert_gradients_over_expert_data_parallel(polic
     """ep 2 on 4 ranks, each expert on two of them (expert-data-parallel group of 2), whose gradients are summed
     over that group: at dp 4 the shared weights' over all 4; at tp 2 (sequence parallel) x dp 2 the TP peers
     hold different experts (expert TP 1), the shared weights' summed over TP then dp 2. At pp 2 x dp 2 each
-    stage's layers' experts are split over its two ranks (the router losses pooled over the stages). Exported,
+    stage's layers' experts are split over its two ranks (the router losses pooled over the stages); at tp 2
+    (sequence parallel) x pp 2, the 235B recipe's layout in small, over its two TP peers. Exported,
     the checkpoint; one step, the single-process step and norm. With the distributed optimizer the experts' main
     weights and Adam state are sharded over their expert-data-parallel group, the rest over the data-parallel
     group."""
