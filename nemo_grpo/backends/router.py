@@ -208,13 +208,15 @@ class RouterLosses:
             term = term + self.z_coeff * z
         return term
 
-    def add_stage(self, output: torch.Tensor, real: torch.Tensor, recorded: Optional[torch.Tensor] = None,
-                  total_layers: int = 1) -> torch.Tensor:
+    def add_stage(self, output: torch.Tensor, real: torch.Tensor, recorded: Optional[torch.Tensor] = None
+                  ) -> torch.Tensor:
         """Pipeline parallelism: this stage's output (hidden states or logits), unchanged, whose backward also
         backpropagates this stage's router terms; real, recorded as in `add` (recorded: this stage's layers).
         The load-balancing loss is linear in each stage's probabilities once every stage's assignments are known:
-        this stage's are sent at the forward, the others' received at the backward (they are all in by then)."""
+        this stage's are sent at the forward, the others' received at the backward (they are all in by then).
+        Every stage holds as many MoE layers (the Megatron back end splits them evenly)."""
         logits, real = self._take(real, recorded)
+        total_layers = len(logits) * len(self.stages.ranks)
         share = real.sum() / self.step_tokens
         assigned, probs = expert_sums(logits, real, self.top_k)
         self.stages.send(assigned)

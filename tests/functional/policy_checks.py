@@ -193,7 +193,9 @@ def policy_config(path: str, backend: str = "dtensor", **overrides) -> PolicyCon
 
 
 def check_train_parity(policy: Policy, path: str, batch: dict) -> dict:
-    """One train call (several global batches) vs reference_train from the policy's current weights."""
+    """One train call (several global batches) vs reference_train from the policy's current weights; a
+    Mixture-of-Experts policy's router metrics vs HF's too where its micro-batches are rows (hf_router_terms
+    takes a row per micro-batch: not under packing or dynamic batching)."""
     start = export_state(policy)
     metrics = policy.train(batch, TokenPGLoss())
     ref_state, losses, norms, lrs = reference_train(path, start, batch, policy.cfg)
@@ -201,7 +203,7 @@ def check_train_parity(policy: Policy, path: str, batch: dict) -> dict:
     assert max_diff(got, start) > 1e-3  # the step moved the weights
     assert max_diff(got, ref_state) <= 1e-4
     assert_step_metrics(metrics, losses, norms, lrs, batch, policy.cfg)
-    if "moe/aux_loss" in metrics:
+    if "moe/aux_loss" in metrics and not (policy.cfg.sequence_packing.enabled or policy.cfg.dynamic_batching.enabled):
         assert_router_metrics(metrics, load_hf(path, start), batch, policy.cfg)
     return metrics
 

@@ -15,8 +15,9 @@ import pytest
 import ray
 import torch
 from policy_checks import (TokenPGLoss, assert_logprobs_match_hf, check_checkpoint_resumes, check_routes_match_hf,
-                           check_train_parity, export_state, load_hf, make_batch, max_diff, policy_config,
-                           reference_train)
+                           check_train_parity, export_state, load_hf, make_batch, max_diff, policy_config)
+from test_dynamic_batching import BUDGET
+from test_sequence_packing import PACKING, SEED
 from test_mcore_policy import FOUR, megatron_policy
 from train_runs import read_metrics, train_in_process
 from transformers import AutoConfig
@@ -137,10 +138,6 @@ def test_ep2_on_four_ranks_sums_expert_gradients_over_expert_data_parallel(polic
                                 overrides.get("megatron_cfg.pipeline_model_parallel_size", 1))
 
 
-PACKING = {"sequence_packing.enabled": True, "sequence_packing.train_mb_tokens": 20,
-           "sequence_packing.logprob_mb_tokens": 40, "sequence_packing.sequence_length_round": 4}
-DYNAMIC = {"dynamic_batching.enabled": True, "dynamic_batching.train_mb_tokens": 16,
-           "dynamic_batching.logprob_mb_tokens": 36, "dynamic_batching.sequence_length_round": 4}
 RECOMPUTE = {"megatron_cfg.activation_checkpointing": True}
 EP2_ONLY = {"megatron_cfg.expert_model_parallel_size": 2}
 
@@ -148,7 +145,7 @@ EP2_ONLY = {"megatron_cfg.expert_model_parallel_size": 2}
 # micro-batches of the step (lengths 12 3 5 5): packed bins of 20 tokens [12 5 3] [5]; dynamic, 16 tokens at dp 2:
 # rank 0 [12] [3], rank 1 [5 5] split in two, so that both ranks run as many forwards (the all-to-all pairs them)
 @pytest.mark.parametrize("layout,extra,micro_batches", [("pp2", {**PACKING, **RECOMPUTE}, 2.0),
-                                                        ("dp2", {**DYNAMIC, **EP2_ONLY}, 2.0)],
+                                                        ("dp2", {**BUDGET, **EP2_ONLY}, 2.0)],
                          ids=["pp2_packing_recompute", "ep2_dynamic_batching"])
 def test_packing_dynamic_batching_and_recompute(policy_pool, tiny_model_dir, layout, extra, micro_batches):
     """The options the MoE recipes train with: sequence packing (bins of several sequences, attention per
@@ -157,14 +154,10 @@ def test_packing_dynamic_batching_and_recompute(policy_pool, tiny_model_dir, lay
     Log-probs are HF's on the padded rows, one step is the single-process HF step (router losses off: HF's
     reference takes a row per micro-batch, and recomputation refuses them)."""
     path = tiny_model_dir("qwen3_moe")
-    batch = make_batch(4, seed=19, t=12)
     with megatron_policy(policy_pool, path, layout, **extra) as p:
+        batch = make_batch(4, seed=SEED, t=12)
         assert_logprobs_match_hf(p, path, batch)
-        start = export_state(p)
-        metrics = p.train(batch, TokenPGLoss())
-        assert metrics["micro_batches"] == micro_batches
-        ref_state = reference_train(path, start, batch, p.cfg)[0]
-        assert 1e-3 < max_diff(export_state(p), start) and max_diff(export_state(p), ref_state) <= 1e-4
+        assert check_train_parity(p, path, batch)["micro_batches"] == micro_batches
 
 
 @pytest.mark.parametrize("layout,extra", [("dp2", EP2), ("tp2_sp", ROUTER), ("pp2", ROUTER)],

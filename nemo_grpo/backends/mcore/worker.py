@@ -218,9 +218,10 @@ class MegatronPolicyWorker(PolicyWorker):
             own_positions = inputs.packed or inputs.context is not None
             pos = inputs.position_ids if own_positions else torch.arange(ids.shape[1], device=ids.device)[None]
             mask = ~inputs.attention_mask if inputs.attention_mask is not None and inputs.packed else None
-            # this stage's MoE layers' recorded routes [r, t, L_stage, k]
+            # this stage's MoE layers' recorded routes [r, t, L_stage, k], for replay or the stage's agreement
+            staged = self.router is not None and self.router.stages is not None and not forward_only
             routes = inputs.from_rows(mb["routed_experts"][:, :, self.moe_layers], -1) \
-                if self.router is not None and "routed_experts" in mb else None
+                if "routed_experts" in mb and (self.replay_routes or staged) else None
             replay = routes is not None and self.replay_routes
             if self.router is not None:
                 self.router.recorder.start()
@@ -231,8 +232,8 @@ class MegatronPolicyWorker(PolicyWorker):
                                packed_seq_params=_attention_params(inputs))
             if replay:
                 mmodel.stop_replay()
-            if self.router is not None and self.router.stages is not None and not forward_only:
-                output = self.router.add_stage(output, inputs.token_mask, routes, self.spec.num_layers)
+            if staged:
+                output = self.router.add_stage(output, inputs.token_mask, routes)
             return output, partial(closure, mb, inputs)
 
         def closure(mb, inputs, output):
