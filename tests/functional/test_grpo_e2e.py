@@ -85,10 +85,19 @@ def test_resume_continues_exactly(ray_cluster, run_actors_pool, tmp_path):
     assert (float(done["first"]), float(done["last"])) == (round(b[2]["reward"], 2), round(b[3]["reward"], 2))
 
 
+# GRPO against the reward model over RM_STEPS steps. Measured with seeds 42 (the recipe's), 1, 2 (grpo.seed), the
+# sampled reward (the reward model's score) in means of 10 steps: 0.74, 1.06, 1.16, 1.46 / 0.56, 0.35, 0.64, 0.81 /
+# 0.63, 0.91, 1.12, 1.20, so steps 31-40 minus steps 1-10: +0.73, +0.24, +0.57 (the old criterion, +0.3 over 100
+# steps, needed 2.5x the steps). The reward model is beaten, not the task learned: the policy's exact expected
+# accuracy on the additions fell in all three (0.265 -> 0.233, 0.213, 0.234); the validation, on math-verify,
+# is not asserted.
+RM_STEPS, RM_GAIN = 40, 0.15
+
+
 @pytest.mark.slow
 def test_grpo_against_a_reward_model_trained_here(ray_cluster, run_actors_pool, tmp_path):
     """train_rm on Megatron (TP=2) -> its HF export scores GRPO rollouts on the DTensor back end's reward
-    model environment; the reward model's reward rises by the default recipe's criterion."""
+    model environment; the reward model's reward rises by RM_GAIN within RM_STEPS steps."""
     from nemo_grpo.algorithms.reward_model import RewardModelTrainer
     from nemo_grpo.validation import load_rm_train_config
 
@@ -104,34 +113,36 @@ def test_grpo_against_a_reward_model_trained_here(ray_cluster, run_actors_pool, 
     val = read_metrics(f"{rm_dir}/logs", "val")
     assert val[-1]["accuracy"] >= 0.8, val
     trainer, _ = train_in_process(tmp_path / "grpo", f"env.reward_model.model_name={rm_dir}/hf",
-                                  "grpo.max_num_steps=100", "grpo.val_period=0", "grpo.val_at_start=false",
-                                  "logger.plot=false", config="configs/grpo_rm_tiny_cpu.yaml", pool=run_actors_pool)
+                                  f"grpo.max_num_steps={RM_STEPS}", "grpo.val_period=0", "grpo.val_at_start=false",
+                                  "grpo.val_at_end=false", "logger.plot=false", config="configs/grpo_rm_tiny_cpu.yaml",
+                                  pool=run_actors_pool)
     first, last = first_and_last_10([r["reward"] for r in trainer.history])
-    assert last - first >= 0.3, (first, last)
+    assert last - first >= RM_GAIN, (first, last)
     assert all(r["reward_model_env/num_samples"] == 128 for r in trainer.history)
 
 
-# The code recipe over CODE_STEPS steps, validation (greedy, 60 problems) at 0, 20 and 40. Measured with seeds 42
-# (the recipe's), 1, 2, 3 (grpo.seed): validation accuracy 0.08 -> 0.90 at step 40 in all four (0.40, 0.90, 1.00,
-# 0.83 at step 20); sampled reward, mean of steps 31-40 minus steps 1-10: +0.25, +0.43, +0.34, +0.32. Greedy
-# validation does not move without learning, so +0.5 is a wide margin; the reward's +0.15 keeps the sampled
-# side honest. (The policy's exact probability of the reference programs is no measure here: it may learn other
-# programs that print the right value, "print(12)" for "code:3 times 4=". At seed 42 that probability fell
-# from 0.022 to 0.010 in 10 steps, where seeds 1, 2, 3 took it to 0.25, 0.28, 0.24.)
-CODE_STEPS = 40
+# The code recipe over CODE_STEPS steps, validation (greedy, 60 problems) at 0 and CODE_STEPS. Measured with seeds
+# 42 (the recipe's), 1, 2, 3 (grpo.seed), validation accuracy from 0.08: at step 20 0.40, 0.90, 1.00, 0.83 (at step
+# 40 0.90 in all four); sampled reward, mean of steps 11-20 minus steps 1-10: +0.07, +0.21, +0.19, +0.20. Greedy
+# validation does not move without learning, so +0.2 leaves a margin of 0.12 at the worst seed; the reward's +0.03
+# keeps the sampled side honest. (The policy's exact probability of the reference programs is no measure here: it
+# may learn other programs that print the right value, "print(12)" for "code:3 times 4=". At seed 42 that
+# probability fell from 0.022 to 0.010 in 10 steps, where seeds 1, 2, 3 took it to 0.25, 0.28, 0.24.)
+CODE_STEPS = 20
 
 
 @pytest.mark.slow
 def test_code_recipe_learns(ray_cluster, run_actors_pool, tmp_path):
     """GRPO with the code environment: programs run in the sandbox; greedy accuracy and reward rise."""
     trainer, _ = train_in_process(tmp_path, "logger.plot=false", f"grpo.max_num_steps={CODE_STEPS}",
-                                  "grpo.val_period=20", config="configs/grpo_code_tiny_cpu.yaml", pool=run_actors_pool)
+                                  f"grpo.val_period={CODE_STEPS}", config="configs/grpo_code_tiny_cpu.yaml",
+                                  pool=run_actors_pool)
     rewards = [r["reward"] for r in trainer.history]
     first, last = first_and_last_10(rewards)
     val = read_metrics(f"{tmp_path}/logs", "val")
-    assert [v["step"] for v in val] == [0, 20, 40]
-    assert val[-1]["accuracy"] >= val[0]["accuracy"] + 0.5, val
-    assert last - first >= 0.15, (first, last)
+    assert [v["step"] for v in val] == [0, CODE_STEPS]
+    assert val[-1]["accuracy"] >= val[0]["accuracy"] + 0.2, val
+    assert last - first >= 0.03, (first, last)
     assert all(r["code/num_samples"] == 64 for r in trainer.history)
 
 
