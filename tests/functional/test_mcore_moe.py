@@ -208,7 +208,7 @@ def test_grpo_replays_the_recorded_routes(ray_cluster, tiny_model_dir, tmp_path,
     train_in_process(tmp_path, f"policy.model_name={path}", "policy.backend=megatron",
                      f"policy.megatron_cfg.moe_router_replay={replay}", "policy.generation.backend=torch",
                      "policy.train_global_batch_size=64", "grpo.max_num_steps=2", "grpo.val_at_start=false",
-                     "checkpointing.enabled=false")
+                     "grpo.val_period=0", "grpo.val_at_end=false", "checkpointing.enabled=false")
     train = read_metrics(f"{tmp_path}/logs", "train")
     assert [r["step"] for r in train] == [1, 2]
     for r in train:

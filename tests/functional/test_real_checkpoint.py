@@ -105,16 +105,23 @@ def truth(smollm2):
     return lp.detach(), grads, hf_error
 
 
+@pytest.fixture(scope="module")
+def start_weights(smollm2) -> dict:
+    """The checkpoint's weights as transformers loads them: every layout's state before its step (the step's
+    difference from them is its gradient; a policy that loaded them wrong fails that comparison)."""
+    return load_hf(smollm2[0]).state_dict()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_as_accurate_as_hf(ray_cluster, smollm2, truth, layout, tmp_path):
+def test_layout_as_accurate_as_hf(ray_cluster, smollm2, truth, start_weights, layout, tmp_path):
     path, _, batch = smollm2
     lp_true, grads, hf_error = truth
+    before = start_weights
     cluster, backend, overrides = LAYOUTS[layout]
     cfg = policy_config(path, backend=backend, **overrides)
     cfg.optimizer.name, cfg.optimizer.lr, cfg.optimizer.warmup_steps, cfg.max_grad_norm = "sgd", 1.0, 0, None
     with Policy(cfg, cluster, path) as policy:
         error = (policy.get_logprobs(batch).double() - lp_true).abs().max().item()
-        before = export_state(policy)
         policy.train(batch, TokenPGLoss())  # 4 samples = 1 global batch: one SGD step, w -= g
         after = export_state(policy)
         policy.save_pretrained(str(tmp_path / "hf"))
