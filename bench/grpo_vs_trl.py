@@ -4,12 +4,17 @@
     python bench/grpo_vs_trl.py --steps 30 --only torch trl
     python bench/grpo_vs_trl.py --model builtin:smollm2-135m-instruct --prompts 4 --group 4 --max-new-tokens 64 \
         --steps 6 --warmup 1 --only trl vllm async      # the real checkpoint: longer answers, compute dominates
+    python bench/grpo_vs_trl.py ... --precision bfloat16   # both in bf16 mixed precision (fp32 master weights)
+    python bench/grpo_vs_trl.py ... --packing              # nemo_grpo packs its rows (policy.sequence_packing)
 
 Same for every run: builtin:tiny-addition (or --model), the 100 additions "a+b=" (through the model's chat
 template when it has a real one: SmolLM2's ChatML), 16 prompts x 8 samples per step, at most 4 new tokens
 (--prompts, --group, --max-new-tokens), temperature 1.0, AdamW lr 5e-4 (constant), max_grad_norm 0.2, no KL
 (beta 0), ratio clip 0.2, group-std advantages, reward = math-verify via nemo_grpo.envs.math_env.verify_answer,
-seed 42.
+seed 42. --precision bfloat16: ours policy.precision=bfloat16 (the policy's bf16 compute over fp32 master
+weights; vLLM on the CPU still samples in fp32), TRL's bf16=True (accelerate's bf16 autocast around its model,
+fp32 weights). --packing: nemo_grpo's policy packs each rank's rows into rows of at most micro-batch x longest
+tokens (policy.sequence_packing.enabled=true alone); TRL pads, as its GRPOTrainer does.
 Loss: ours is token-level (sum over the batch's tokens / global valid-token count); TRL's loss_type="dapo" is
 the same normalization (with one gradient-accumulation step "bnpo" would be too).
 Differences that stay: TRL generates with the training model in its own process (no refit, no separate
@@ -77,8 +82,11 @@ def nemo_overrides(engine: str, args, log_dir: str) -> list[str]:
     if args.model != MODEL:
         sizes += [f"data.max_input_seq_length={PROMPT_TOKENS}",
                   f"policy.max_total_sequence_length={PROMPT_TOKENS + args.max_new_tokens}"]
+    if args.packing:
+        sizes.append("policy.sequence_packing.enabled=true")
     return sizes + [
-            f"policy.model_name={args.model}", f"policy.generation.backend={engine}",
+            f"policy.model_name={args.model}", f"policy.precision={args.precision}",
+            f"policy.generation.backend={engine}",
             f"grpo.num_prompts_per_step={args.prompts}", f"grpo.num_generations_per_prompt={args.group}",
             f"policy.train_global_batch_size={args.samples}", f"policy.generation.max_new_tokens={args.max_new_tokens}",
             f"policy.generation.temperature={TEMPERATURE}", f"policy.optimizer.lr={LR}",
@@ -174,7 +182,8 @@ def trl_child(args) -> None:
                for p in problems]  # a real checkpoint: conversational, so TRL applies its chat template as we do
     ds = Dataset.from_dict({"prompt": prompts, "answer": [p["answer"] for p in problems]})
     out_dir = tempfile.mkdtemp(prefix="bench_trl_")
-    cfg = GRPOConfig(output_dir=out_dir, use_cpu=True, bf16=False, learning_rate=LR, lr_scheduler_type="constant",
+    cfg = GRPOConfig(output_dir=out_dir, use_cpu=True, bf16=args.precision == "bfloat16", learning_rate=LR,
+                     lr_scheduler_type="constant",
                      weight_decay=0.0, max_grad_norm=GRAD_NORM, per_device_train_batch_size=args.samples,
                      gradient_accumulation_steps=1, num_generations=args.group,
                      max_completion_length=args.max_new_tokens,
@@ -207,7 +216,7 @@ def run_trl(args) -> dict | None:
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--seed", str(args.seed),
            "--model", args.model, "--prompts", str(args.prompts), "--group", str(args.group),
-           "--max-new-tokens", str(args.max_new_tokens), "--trl-out", out]
+           "--max-new-tokens", str(args.max_new_tokens), "--precision", args.precision, "--trl-out", out]
     try:
         proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
                               capture_output=True, text=True)
@@ -233,7 +242,8 @@ def print_table(results: dict[str, dict], args) -> None:
     rows = {name: summarize(r, args.warmup) for name, r in results.items()}
     ref = rows.get("TRL GRPOTrainer")
     print(f"\n{args.model}: {args.steps} steps of {args.prompts} prompts x {args.group} samples, <= "
-          f"{args.max_new_tokens} new tokens; s/step = median "
+          f"{args.max_new_tokens} new tokens, {args.precision}{', nemo_grpo packed' if args.packing else ''}; "
+          f"s/step = median "
           f"after {args.warmup} warm-up steps; reward = mean of the last 10 steps; 1 torch thread per process; "
           f"nemo_grpo with {args.policy_ranks} policy rank(s); shared CPU: figures are noisy")
     head = f"{'run':28s} {'s/step':>8s} {'tok/s':>8s} {'reward':>7s}"
@@ -273,6 +283,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--policy-ranks", type=int, default=2, help="DTensor policy processes (default recipe: 2)")
+    ap.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
+                    help="bfloat16: bf16 mixed precision in both frameworks")
+    ap.add_argument("--packing", action="store_true", help="nemo_grpo packs its rows (sequence packing)")
     ap.add_argument("--only", nargs="+", choices=["vllm", "torch", "trl", "async"],
                     default=["vllm", "torch", "trl", "async"], help="async: nemo_grpo async GRPO, vLLM engine")
     ap.add_argument("--trl-out", help=argparse.SUPPRESS)  # internal: run as the TRL subprocess

@@ -3,6 +3,7 @@ SmolLM2-135M-Instruct and the lengths of its own sampled answers to math word pr
 
     python bench/packing.py                       # 32 answers of at most 512 tokens, DTensor DP=2 (~13 min)
     python bench/packing.py --samples 16 --max-new-tokens 256
+    python bench/packing.py --precision bfloat16  # bf16 mixed precision (fp32 master weights), as the SmolLM2 recipe
 
 1. The engine (vLLM where installed, else torch) samples one answer per problem at temperature 1.0; the
    conversations (prompt + answer) are the batch, right-padded; the length distribution is printed.
@@ -90,10 +91,10 @@ def make_batch(rows: list[list[int]], prompt_lengths: list[int], pad_id: int) ->
             "prev_logprobs": torch.zeros(n, t), "generation_logprobs": torch.zeros(n, t)}
 
 
-def policy_config(path: str, mode: str, n: int, longest: int):
+def policy_config(path: str, mode: str, n: int, longest: int, precision: str):
     from nemo_grpo.config import PolicyConfig
 
-    cfg = PolicyConfig(model_name=path, backend="dtensor", train_global_batch_size=n,
+    cfg = PolicyConfig(model_name=path, backend="dtensor", precision=precision, train_global_batch_size=n,
                        train_micro_batch_size=TRAIN_ROWS, logprob_batch_size=LOGPROB_ROWS,
                        max_total_sequence_length=longest)
     section = {"dynamic": cfg.dynamic_batching, "packed": cfg.sequence_packing}.get(mode)
@@ -123,13 +124,13 @@ def computed_tokens(policy, batch: dict, kind: str) -> int:
     return total
 
 
-def run_mode(path: str, mode: str, batch: dict) -> dict:
+def run_mode(path: str, mode: str, batch: dict, precision: str) -> dict:
     from nemo_grpo.algorithms.losses import make_loss
     from nemo_grpo.config import ClusterConfig, LossConfig
     from nemo_grpo.policy import Policy
 
     n, real = len(batch["input_lengths"]), int(batch["input_lengths"].sum())
-    cfg = policy_config(path, mode, n, int(batch["input_lengths"].max()))
+    cfg = policy_config(path, mode, n, int(batch["input_lengths"].max()), precision)
     cluster = ClusterConfig(gpus_per_node=2, num_nodes=1, num_threads_per_worker=1)
     with Policy(cfg, cluster, path) as policy:
         policy.get_logprobs({k: batch[k][:4] for k in ("input_ids", "input_lengths")})  # warm-up
@@ -148,6 +149,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--precision", choices=["float32", "bfloat16"], default="float32", help="policy.precision")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
@@ -165,9 +167,9 @@ def main() -> None:
               f"max {max(values)}, mean {statistics.mean(values):.1f}")
     print(f"answers that reached --max-new-tokens {args.max_new_tokens}: {cut}; the others stopped at EOS")
     batch = make_batch(rows, prompt_lengths, AutoTokenizer.from_pretrained(path).pad_token_id)
-    results = {mode: run_mode(path, mode, batch) for mode in MODES}
+    results = {mode: run_mode(path, mode, batch, args.precision) for mode in MODES}
     base = results["padded"]
-    print(f"\nreal tokens: {base['real']}; DTensor DP=2, 1 thread per rank; ratios against padded")
+    print(f"\nreal tokens: {base['real']}; DTensor DP=2, 1 thread per rank, {args.precision}; ratios against padded")
     print("| mode | log-probs: computed / real | s | real tok/s | vs padded | train: computed / real | s | "
           "real tok/s | vs padded |")
     print("|---|---|---|---|---|---|---|---|---|")
