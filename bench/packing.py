@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct and the lengths of its own sampled answers to math word pr
     python bench/packing.py                       # 32 answers of at most 512 tokens, DTensor DP=2 (~13 min)
     python bench/packing.py --samples 16 --max-new-tokens 256
     python bench/packing.py --precision bfloat16  # bf16 mixed precision (fp32 master weights), as the SmolLM2 recipe
+    python bench/packing.py --kernels [--device cuda]   # the attention kernels alone on one packed row (~10 s)
 
 1. The engine (vLLM where installed, else torch) samples one answer per problem at temperature 1.0; the
    conversations (prompt + answer) are the batch, right-padded; the length distribution is printed.
@@ -18,6 +19,13 @@ SmolLM2-135M-Instruct and the lengths of its own sampled answers to math word pr
 3. Tokens computed = sum over the micro-batches of rows x width, from the same plan the policy runs (DTensor:
    a padded micro-batch is as wide as its longest row, a packed row as its tokens rounded up to 64), divided
    by the real tokens; real tokens per second = real tokens / seconds. Ratios against padded.
+
+--kernels: no model; one packed row of KERNEL_ROW's sequences (2,900 tokens, SmolLM2's answer lengths;
+--row-repeat N: N times over) with SmolLM2's heads (9 query, 3 KV, 64 wide), forward + backward of causal
+attention through each kernel backends/varlen.py has on the device: the dense block-diagonal mask (one SDPA call
+over the row), SDPA per segment, and the one-kernel varlen path (CUDA: flash-attention's, else torch's
+`varlen_attn`), in fp32 and bf16: the median of --repeats timed calls after 3 warm-ups, and the ratio to the
+dense mask.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 MODES = ("padded", "dynamic", "packed")
+KERNEL_ROW = [137, 593, 293, 211, 450, 64, 300, 380, 250, 222]  # 2,900 tokens in 10 sequences
 TRAIN_ROWS, LOGPROB_ROWS, ROUND = 4, 8, 64
 
 
@@ -144,14 +153,72 @@ def run_mode(path: str, mode: str, batch: dict, precision: str) -> dict:
                 "train_waste": computed_tokens(policy, batch, "train") / real}
 
 
+def kernel_table(device: str, repeats: int, row_repeat: int) -> None:
+    """Print forward + backward ms per kernel on one packed row of KERNEL_ROW x row_repeat (module docstring)."""
+    import torch.nn.functional as F
+
+    from nemo_grpo.backends import varlen
+    from nemo_grpo.backends.model_inputs import model_inputs
+
+    lengths = KERNEL_ROW * row_repeat
+    batch = {"input_ids": torch.zeros(len(lengths), max(lengths), dtype=torch.long),
+             "input_lengths": torch.tensor(lengths)}
+    segs, dense = model_inputs(batch, True, ROUND), model_inputs(batch, True, ROUND, dense_mask=True)
+    s, mask = segs.input_ids.shape[1], dense.attention_mask.to(device)
+    kernels = {"dense mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+               "SDPA per segment": lambda q, k, v: varlen.sdpa_per_segment(q, k, v, segs.cu_seqlens, 64 ** -0.5),
+               "varlen kernel": lambda q, k, v: varlen.packed_attention(q, k, v, segs.cu_seqlens, 64 ** -0.5)}
+    print(f"\none packed row: {len(lengths)} sequences, {sum(lengths)} tokens ({s} with the tail), 9 heads "
+          f"/ 3 KV of 64, forward + backward on {device}")
+    print("| kernel | dtype | ran | ms | vs dense mask |\n|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(1, h, s, 64, device=device, dtype=dtype, requires_grad=True) for h in (9, 3, 3))
+        base = None
+        for name, fn in kernels.items():
+            before = dict(varlen.CALLS)
+            try:
+                ms = _median_ms(lambda: fn(q, k, v).sum().backward(), device, repeats)
+            except torch.OutOfMemoryError:  # the dense mask at tens of thousands of tokens
+                q.grad = k.grad = v.grad = None
+                torch.cuda.empty_cache()
+                print(f"| {name} | {str(dtype)[6:]} | | out of memory | |")
+                continue
+            ran = ", ".join(n for n in varlen.CALLS if varlen.CALLS[n] != before.get(n, 0)) or "SDPA"
+            base = base if name != "dense mask" else ms
+            ratio = f"{base / ms:.2f}x" if base else "-"
+            print(f"| {name} | {str(dtype)[6:]} | {ran} | {ms:.2f} | {ratio} |")
+
+
+def _median_ms(call, device: str, repeats: int) -> float:
+    times = []
+    for i in range(3 + repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[3:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--precision", choices=["float32", "bfloat16"], default="float32", help="policy.precision")
+    ap.add_argument("--kernels", action="store_true", help="time the packed-attention kernels alone (no model)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="--kernels: where they run")
+    ap.add_argument("--repeats", type=int, default=10, help="--kernels: timed calls per kernel")
+    ap.add_argument("--row-repeat", type=int, nargs="+", default=[1],
+                    help="--kernels: rows of KERNEL_ROW's sequences this many times over (one table each)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.kernels:
+        for n in args.row_repeat:
+            kernel_table(args.device, args.repeats, n)
+        return
     from transformers import AutoTokenizer
 
     from nemo_grpo.distributed.cluster import init_ray

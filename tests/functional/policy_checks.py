@@ -269,8 +269,13 @@ def check_bf16_step(policy: Policy, path: str, batch: dict) -> None:
 
 
 def segment_attention_calls(policy: Policy) -> list[int]:
-    """Per rank: the calls of backends/varlen.py's per-segment attention in its worker process so far."""
-    return policy.group.run_all("__ray_call__", lambda worker: varlen.CALLS["sdpa_segments"])
+    """Per rank: the calls of backends/varlen.py's packed attention (any kernel) in its worker process so far."""
+    return [sum(calls.values()) for calls in packed_attention_kernels(policy)]
+
+
+def packed_attention_kernels(policy: Policy) -> list[dict]:
+    """Per rank: backends/varlen.py's calls per kernel in its worker process so far."""
+    return policy.group.run_all("__ray_call__", lambda worker: dict(varlen.CALLS))
 
 
 def _set_packed_attention(policy: Policy, attention: str) -> None:

@@ -17,9 +17,11 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("ray", reason="the policy workers are Ray actors (pip install ray)")
 
-from policy_checks import check_bf16_step, make_batch, policy_config  # noqa: E402
+from policy_checks import check_bf16_step, make_batch, packed_attention_kernels, policy_config  # noqa: E402
 from train_runs import builtin_model_cache, read_metrics, run_train  # noqa: E402,F401 (autouse fixture)
 
+from nemo_grpo.backends.model_inputs import model_inputs  # noqa: E402
+from nemo_grpo.backends.varlen import CALLS, packed_attention, sdpa_per_segment  # noqa: E402
 from nemo_grpo.config import ClusterConfig  # noqa: E402
 from nemo_grpo.policy import Policy  # noqa: E402
 
@@ -98,3 +100,54 @@ def test_bf16_moe_policy_matches_fp32_hf(ray_cluster, tiny_model_dir, backend, d
     with Policy(policy_config(path, backend=backend, precision="bfloat16", **extra), ONE_GPU, path) as policy:
         assert (policy.devices, policy.dist_backend) == (["cuda:0"], "nccl")
         check_bf16_step(policy, path, make_batch(4, seed=9))
+
+
+# a packed row of 8 sequences of SmolLM2-like answer lengths, plus its padding tail
+SEGMENT_LENGTHS = [137, 593, 293, 1, 211, 450, 64, 300]
+
+
+@pytest.mark.parametrize("heads,groups,dim", [(9, 3, 64), (4, 4, 128)], ids=["smollm2_gqa", "mha_128"])
+def test_varlen_kernel_matches_per_segment_sdpa(heads, groups, dim):
+    """On CUDA in bf16 packed_attention runs one varlen kernel over the row (flash-attention's, else torch's own),
+    and its output and gradients are as close to fp32 attention through the dense block-diagonal mask as bf16
+    SDPA run per segment is (within 2x its error, + 1e-3)."""
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.zeros(len(SEGMENT_LENGTHS), max(SEGMENT_LENGTHS), dtype=torch.long),
+             "input_lengths": torch.tensor(SEGMENT_LENGTHS)}
+    segs, dense = model_inputs(batch, True, 64), model_inputs(batch, True, 64, dense_mask=True)
+    s, scale = segs.input_ids.shape[1], dim ** -0.5
+    q, k, v = (torch.randn(1, h, s, dim, device="cuda") for h in (heads, groups, groups))
+    g = torch.randn(1, heads, s, dim, device="cuda")
+
+    def run(fn, dtype, **kw):
+        x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*x, scale=scale, **kw)
+        return [out.float(), *(t.float() for t in torch.autograd.grad((out * g.to(dtype)).sum(), x))]
+
+    calls = dict(CALLS)
+    varlen = run(packed_attention, torch.bfloat16, cu_seqlens=segs.cu_seqlens)
+    kernel = [name for name in CALLS if CALLS[name] != calls.get(name, 0)]
+    assert kernel in (["flash_varlen"], ["torch_varlen"]), dict(CALLS)
+    segments = run(sdpa_per_segment, torch.bfloat16, cu_seqlens=segs.cu_seqlens)
+    mask = dense.attention_mask.to("cuda")
+    ref = run(lambda *x, scale: torch.nn.functional.scaled_dot_product_attention(
+        *x, attn_mask=mask, scale=scale, enable_gqa=heads != groups), torch.float32)
+    for name, a, b, r in zip(["out", "dq", "dk", "dv"], varlen, segments, ref):
+        err, err_sdpa = (a - r).abs().max().item(), (b - r).abs().max().item()
+        print(f"{kernel[0]} {heads}/{groups}x{dim} {name}: {err:.2e} (bf16 SDPA per segment {err_sdpa:.2e})")
+        assert err <= 2 * err_sdpa + 1e-3, (name, err, err_sdpa)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_packed_policy_matches_fp32_hf(ray_cluster, tiny_model_dir, backend):
+    """Sequence packing on one GPU in bf16: the packed rows go through the varlen kernel (never per-segment SDPA)
+    and the policy passes check_bf16_step against fp32 Hugging Face on the padded rows."""
+    require_backend(backend)
+    path = tiny_model_dir("llama")
+    packing = {"sequence_packing.enabled": True, "sequence_packing.train_mb_tokens": 20,
+               "sequence_packing.logprob_mb_tokens": 40, "sequence_packing.sequence_length_round": 4}
+    with Policy(policy_config(path, backend=backend, precision="bfloat16", **packing), ONE_GPU, path) as policy:
+        check_bf16_step(policy, path, make_batch(4, seed=19, t=12))  # lengths 12 3 5 5: bins [12 5 3] [5]
+        [kernels] = packed_attention_kernels(policy)
+    print(f"{backend}: packed attention calls {kernels}")
+    assert "sdpa_segments" not in kernels and kernels.get("torch_varlen", 0) + kernels.get("flash_varlen", 0) > 0
