@@ -5,6 +5,7 @@
     python bench/gpu_mfu.py --device cpu --tiny      # smoke run of this script on a CPU (a tiny Llama, ~30 s)
     python bench/gpu_mfu.py --moe                    # a Qwen3-MoE (Qwen3-30B-A3B's layer, 4 layers, 64 experts)
     python bench/gpu_mfu.py --moe --only dtensor megatron megatron_loop   # Megatron's experts grouped vs looped
+    python bench/gpu_mfu.py --packing                # rows of mixed lengths: padded vs sequence packing
 
 The model: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads of 64, 8 KV heads, FFN 8192, vocabulary
 128256, tied embeddings), random weights, saved once as a Hugging Face directory that both back ends load.
@@ -22,6 +23,10 @@ masters and Adam state fit one GPU); N in the MFU is then the parameters a token
 Megatron runs its MoELayer (its SequentialMLP's experts computed by two torch grouped matmuls a layer,
 backends/mcore/grouped_experts.py; alltoall dispatcher over a group of one), DTensor HF's module; megatron_loop
 is Megatron with policy.megatron_cfg.moe_grouped_gemm=false (SequentialMLP's loop over the experts).
+--packing: the rows' lengths are uniform in [--seq-len / 8, --seq-len] (seed 0), as a rollout batch's are, and each
+back end trains them padded (micro-batches of --micro rows) and with policy.sequence_packing (bins of --micro x
+--seq-len real tokens; attention per sequence, backends/varlen.py: torch's varlen kernel on a GPU); the table gives
+real (unpadded) tokens per second and packed / padded.
 """
 
 from __future__ import annotations
@@ -70,6 +75,15 @@ def save_model(path: str, shape: dict, seq_len: int) -> str:
                            **shape)
 
 
+def mixed_length_batch(n: int, seq_len: int, vocab: int) -> dict:
+    """n rows of random tokens, lengths uniform in [seq_len / 8, seq_len] (seed 0), right-padded to seq_len."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(seq_len // 8, seq_len + 1, (n,), generator=g)
+    mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).float()
+    return {"input_ids": torch.randint(3, vocab, (n, seq_len), generator=g), "input_lengths": lengths,
+            "token_mask": mask, "sample_mask": torch.ones(n)}
+
+
 def count_parameters(model_dir: str) -> tuple[int, int]:
     """(all, active) parameters of a saved HF model (tied embeddings once), as the memory planner counts them;
     active: those one token computes with (an MoE's routed experts only; all of a dense model)."""
@@ -88,7 +102,7 @@ def policy_config(variant: str, path: str, args):
     """bf16 PolicyConfig: one global batch of args.batch rows in micro-batches of args.micro."""
     from nemo_grpo.config import PolicyConfig
 
-    backend = variant.partition("_")[0]
+    backend = variant.partition("_")[0].partition(" ")[0]
     cfg = PolicyConfig(model_name=path, backend=backend, precision="bfloat16", train_global_batch_size=args.batch,
                        train_micro_batch_size=args.micro, logprob_batch_size=args.micro,
                        max_total_sequence_length=args.seq_len)
@@ -96,6 +110,10 @@ def policy_config(variant: str, path: str, args):
     cfg.megatron_cfg.activation_checkpointing = args.activation_checkpointing
     cfg.megatron_cfg.layer_spec = args.megatron_layer_spec
     cfg.megatron_cfg.moe_grouped_gemm = variant != "megatron_loop"
+    if variant.endswith(" packed"):
+        packing = cfg.sequence_packing
+        packing.enabled, packing.sequence_length_round = True, 64
+        packing.train_mb_tokens = packing.logprob_mb_tokens = args.micro * args.seq_len
     return cfg
 
 
@@ -134,6 +152,22 @@ def describe(shape: dict, n_params: int, n_active: int) -> str:
                 f"{shape['vocab_size']})")
     return f"Llama {n_params:,} parameters (hidden {heads}, FFN {shape['intermediate_size']}, vocab " \
            f"{shape['vocab_size']}, tied)"
+
+
+def print_packing_table(rows: dict, args, batch: dict) -> None:
+    """--packing: seconds per step and real tokens per second of each back end padded and packed."""
+    real = int(batch["input_lengths"].sum())
+    print(f"\n{args.batch} rows of {int(batch['input_lengths'].min())}-{args.seq_len} tokens ({real} real, "
+          f"{real / (args.batch * args.seq_len):.0%} of the padded size), micro-batch {args.micro} rows or "
+          f"{args.micro * args.seq_len} packed tokens; median of {args.repeats} after {args.warmup} warm-up")
+    print("| variant | s/step | real tokens/s | packed / padded |\n|---|---|---|---|")
+    for name, r in rows.items():
+        if "error" in r:
+            print(f"| {name} | failed: {r['error']} | | |")
+            continue
+        padded = rows.get(name.replace(" packed", ""), {})
+        ratio = f"{padded['seconds'] / r['seconds']:.2f}x" if name.endswith(" packed") and "seconds" in padded else ""
+        print(f"| {name} | {r['seconds']:.3f} | {real / r['seconds']:.0f} | {ratio} |")
 
 
 def print_table(rows: dict, args, n_params: tuple[int, int], shape: dict) -> None:
@@ -175,6 +209,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS, help="the device's bf16 peak")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (a CPU run)")
     ap.add_argument("--model-dir", help="keep the saved model here (default: a temporary directory, removed)")
+    ap.add_argument("--packing", action="store_true", help="mixed-length rows, padded vs sequence packing")
     args = ap.parse_args()
     preset = PRESETS[("tiny-" if args.tiny else "") + ("moe" if args.moe else "llama")]
     for key in ("batch", "seq_len", "micro", "warmup", "repeats"):
@@ -200,14 +235,18 @@ def main() -> None:
     n_params = count_parameters(path)
     print(f"model: {n_params[0]:,} parameters ({n_params[1]:,} active) saved to {path}", flush=True)
     init_ray()
-    batch = make_batch(args.batch, args.seq_len, vocab=args.shape["vocab_size"])
+    batch = (mixed_length_batch if args.packing else make_batch)(args.batch, args.seq_len, args.shape["vocab_size"])
+    variants = [v for b in args.only for v in ((b, f"{b} packed") if args.packing else (b,))]
     rows = {}
-    for backend in args.only:
-        rows[backend] = time_backend(backend, path, batch, args)
-        print(f"  {backend}: " + (rows[backend].get("error") or f"{rows[backend]['seconds']:.3f} s/step"),
+    for variant in variants:
+        rows[variant] = time_backend(variant, path, batch, args)
+        print(f"  {variant}: " + (rows[variant].get("error") or f"{rows[variant]['seconds']:.3f} s/step"),
               flush=True)
     ray.shutdown()
-    print_table(rows, args, n_params, args.shape)
+    if args.packing:
+        print_packing_table(rows, args, batch)
+    else:
+        print_table(rows, args, n_params, args.shape)
     if workdir is not None:
         workdir.cleanup()
 
