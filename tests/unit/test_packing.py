@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from nemo_grpo.backends.batching import concatenative, first_fit_decreasing, token_logprobs_from_logits
 from nemo_grpo.backends.model_inputs import model_inputs, natural_width
+from nemo_grpo.backends import varlen
 from nemo_grpo.backends.varlen import CALLS, packed_attention
 
 
@@ -107,6 +108,43 @@ def test_attention_per_segment_equals_the_dense_mask(heads, groups):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="segments cover 19 of the row's 24 positions"):
         packed_attention(q, k, v, segs.cu_seqlens[:-1], scale=0.3)
+
+
+def torch_210_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False):
+    """torch 2.10's varlen_attn signature (no scale, no window, no GQA flag); never called here."""
+
+
+def torch_211_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                          window_size=(-1, -1)):
+    """torch 2.11's (the GPU machines'): no GQA flag, its kernel takes fewer K/V heads as they are."""
+
+
+# options for q [10, 6, 64] and k [10, 2, 64] at scale 1/8, by the torch at hand
+EXPECTED_OPTIONS = {"installed": {"window_size": (-1, 0), "enable_gqa": True, "scale": 0.125},  # torch 2.13
+                    "torch_2_11": {"window_size": (-1, 0), "scale": 0.125},
+                    "torch_2_10": {"is_causal": True}}
+
+
+@pytest.mark.parametrize("signature", EXPECTED_OPTIONS)
+def test_torch_varlen_kernel_is_asked_for_causal_attention_in_its_own_words(monkeypatch, signature):
+    """The options backends/varlen.py gives torch's varlen kernel (it runs on CUDA only: tests/functional/test_gpu.py
+    runs it): causal, GQA and the scale in the words of the torch at hand; a torch without `scale` takes only the
+    default 1/sqrt(head_dim), any other is refused rather than silently ignored."""
+    fake = {"torch_2_10": torch_210_varlen_attn, "torch_2_11": torch_211_varlen_attn}.get(signature)
+    if fake is not None:
+        monkeypatch.setattr(varlen, "varlen_attn", fake)
+    elif varlen.varlen_attn is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    varlen._torch_varlen_parameters.cache_clear()
+    try:
+        q, k = torch.zeros(10, 6, 64), torch.zeros(10, 2, 64)
+        assert varlen._torch_varlen_options(q, k, 0.125) == EXPECTED_OPTIONS[signature]
+        assert "enable_gqa" not in varlen._torch_varlen_options(q, q, 0.125)
+        if signature == "torch_2_10":
+            with pytest.raises(ValueError, match="no `scale`"):
+                varlen._torch_varlen_options(q, k, 0.3)
+    finally:
+        varlen._torch_varlen_parameters.cache_clear()
 
 
 def test_hf_varlen_attention_equals_the_dense_mask(tmp_path):
