@@ -41,6 +41,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
+from timing import median_seconds  # noqa: E402  (bench/timing.py)
 
 MODES = ("padded", "dynamic", "packed")
 KERNEL_ROW = [137, 593, 293, 211, 450, 64, 300, 380, 250, 222]  # 2,900 tokens in 10 sequences
@@ -184,22 +185,21 @@ def kernel_table(device: str, repeats: int, row_repeat: int) -> None:
                 print(f"| {name} | {str(dtype)[6:]} | | out of memory | |")
                 continue
             ran = ", ".join(n for n in varlen.CALLS if varlen.CALLS[n] != before.get(n, 0)) or "SDPA"
-            base = base if name != "dense mask" else ms
+            if name == "dense mask":
+                base = ms
             ratio = f"{base / ms:.2f}x" if base else "-"
             print(f"| {name} | {str(dtype)[6:]} | {ran} | {ms:.2f} | {ratio} |")
 
 
-def _median_ms(call, device: str, repeats: int) -> float:
-    times = []
-    for i in range(3 + repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+def _median_ms(call, device: str, repeats: int, warmup: int = 3) -> float:
+    """median_seconds of call() in ms after `warmup` calls, each call waited for on a GPU."""
+    def synced():
         call()
         if device == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times[3:])
+    for _ in range(warmup):
+        synced()
+    return 1e3 * median_seconds(synced, repeats)
 
 
 def main() -> None:
