@@ -102,15 +102,15 @@ def policy_config(variant: str, path: str, args):
     """bf16 PolicyConfig: one global batch of args.batch rows in micro-batches of args.micro."""
     from nemo_grpo.config import PolicyConfig
 
-    backend = variant.partition("_")[0].partition(" ")[0]
+    backend = variant.partition("_")[0]
     cfg = PolicyConfig(model_name=path, backend=backend, precision="bfloat16", train_global_batch_size=args.batch,
                        train_micro_batch_size=args.micro, logprob_batch_size=args.micro,
                        max_total_sequence_length=args.seq_len)
     cfg.dtensor_cfg.activation_checkpointing = args.activation_checkpointing
     cfg.megatron_cfg.activation_checkpointing = args.activation_checkpointing
     cfg.megatron_cfg.layer_spec = args.megatron_layer_spec
-    cfg.megatron_cfg.moe_grouped_gemm = variant != "megatron_loop"
-    if variant.endswith(" packed"):
+    cfg.megatron_cfg.moe_grouped_gemm = not variant.startswith("megatron_loop")  # also megatron_loop_packed
+    if variant.endswith("_packed"):
         packing = cfg.sequence_packing
         packing.enabled, packing.sequence_length_round = True, 64
         packing.train_mb_tokens = packing.logprob_mb_tokens = args.micro * args.seq_len
@@ -165,8 +165,8 @@ def print_packing_table(rows: dict, args, batch: dict) -> None:
         if "error" in r:
             print(f"| {name} | failed: {r['error']} | | |")
             continue
-        padded = rows.get(name.replace(" packed", ""), {})
-        ratio = f"{padded['seconds'] / r['seconds']:.2f}x" if name.endswith(" packed") and "seconds" in padded else ""
+        padded = rows.get(name.removesuffix("_packed"), {})
+        ratio = f"{padded['seconds'] / r['seconds']:.2f}x" if name.endswith("_packed") and "seconds" in padded else ""
         print(f"| {name} | {r['seconds']:.3f} | {real / r['seconds']:.0f} | {ratio} |")
 
 
@@ -236,7 +236,7 @@ def main() -> None:
     print(f"model: {n_params[0]:,} parameters ({n_params[1]:,} active) saved to {path}", flush=True)
     init_ray()
     batch = (mixed_length_batch if args.packing else make_batch)(args.batch, args.seq_len, args.shape["vocab_size"])
-    variants = [v for b in args.only for v in ((b, f"{b} packed") if args.packing else (b,))]
+    variants = [v for b in args.only for v in ((b, f"{b}_packed") if args.packing else (b,))]
     rows = {}
     for variant in variants:
         rows[variant] = time_backend(variant, path, batch, args)
