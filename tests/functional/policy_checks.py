@@ -20,6 +20,10 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test loss
 
 TEMPERATURE = 0.7
 CLUSTER = ClusterConfig(gpus_per_node=2, num_nodes=1, num_threads_per_worker=1)
+# sequence packing at the tiny batches' scale (make_batch(..., t=12)): bins of 20 real tokens in training, 40 in
+# log-prob passes, rows rounded up to a multiple of 4
+PACKING = {"sequence_packing.enabled": True, "sequence_packing.train_mb_tokens": 20,
+           "sequence_packing.logprob_mb_tokens": 40, "sequence_packing.sequence_length_round": 4}
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -17,7 +17,8 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("ray", reason="the policy workers are Ray actors (pip install ray)")
 
-from policy_checks import check_bf16_step, make_batch, packed_attention_kernels, policy_config  # noqa: E402
+from policy_checks import (PACKING, check_bf16_step, make_batch, packed_attention_kernels,  # noqa: E402
+                           policy_config)
 from train_runs import builtin_model_cache, read_metrics, run_train  # noqa: E402,F401 (autouse fixture)
 
 from nemo_grpo.backends.model_inputs import model_inputs  # noqa: E402
@@ -144,9 +145,7 @@ def test_bf16_packed_policy_matches_fp32_hf(ray_cluster, tiny_model_dir, backend
     and the policy passes check_bf16_step against fp32 Hugging Face on the padded rows."""
     require_backend(backend)
     path = tiny_model_dir("llama")
-    packing = {"sequence_packing.enabled": True, "sequence_packing.train_mb_tokens": 20,
-               "sequence_packing.logprob_mb_tokens": 40, "sequence_packing.sequence_length_round": 4}
-    with Policy(policy_config(path, backend=backend, precision="bfloat16", **packing), ONE_GPU, path) as policy:
+    with Policy(policy_config(path, backend=backend, precision="bfloat16", **PACKING), ONE_GPU, path) as policy:
         check_bf16_step(policy, path, make_batch(4, seed=19, t=12))  # lengths 12 3 5 5: bins [12 5 3] [5]
         [kernels] = packed_attention_kernels(policy)
     print(f"{backend}: packed attention calls {kernels}")

@@ -14,10 +14,11 @@ import sys
 import pytest
 import ray
 import torch
-from policy_checks import (TokenPGLoss, assert_logprobs_match_hf, check_checkpoint_resumes, check_routes_match_hf,
-                           check_train_parity, export_state, load_hf, make_batch, max_diff, policy_config)
+from policy_checks import (PACKING, TokenPGLoss, assert_logprobs_match_hf, check_checkpoint_resumes,
+                           check_routes_match_hf, check_train_parity, export_state, load_hf, make_batch, max_diff,
+                           policy_config)
 from test_dynamic_batching import BUDGET
-from test_sequence_packing import PACKING, SEED
+from test_sequence_packing import SEED
 from test_mcore_policy import FOUR, megatron_policy
 from train_runs import read_metrics, train_in_process
 from transformers import AutoConfig

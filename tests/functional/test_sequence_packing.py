@@ -5,14 +5,12 @@ the padded path too) and, within 1e-5, the dense block-diagonal mask's (sequence
 those of Hugging Face's sequence classifier, at every layout."""
 
 import pytest
-from policy_checks import (CLUSTER, assert_logprobs_match_hf, assert_scores_match_hf, check_train_parity,
+from policy_checks import (CLUSTER, PACKING, assert_logprobs_match_hf, assert_scores_match_hf, check_train_parity,
                            check_varlen_equals_dense_mask, make_batch, policy_config)
 
 from nemo_grpo.backends.batching import first_fit_decreasing
 from nemo_grpo.policy import Policy
 
-PACKING = {"sequence_packing.enabled": True, "sequence_packing.train_mb_tokens": 20,
-           "sequence_packing.logprob_mb_tokens": 40, "sequence_packing.sequence_length_round": 4}
 LAYOUTS = {"dtensor_dp2": ("dtensor", {}),
            "dtensor_tp2_recompute": ("dtensor", {"dtensor_cfg.tensor_parallel_size": 2,
                                                 "dtensor_cfg.activation_checkpointing": True}),
