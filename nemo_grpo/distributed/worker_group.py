@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import socket
+import uuid
 from typing import Any, Optional, Sequence
 
 import ray
@@ -150,8 +151,9 @@ class WorkerGroup:
     # ------------------------------------------------------------------------------------------ start-up
     def _reserve_bundles(self):
         bundle = {"CPU": 1.0, "GPU": 1.0} if self.use_gpus else {"CPU": 1.0}
+        # names must be unique in the cluster; id(self) is not: a spare group outlives the object that named it
         pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK",
-                             name=f"{self.name}-pg-{os.getpid()}-{id(self)}")
+                             name=f"{self.name}-pg-{uuid.uuid4().hex[:12]}")
         if not _wait_evicting_spares(pg):
             remove_placement_group(pg)
             raise RuntimeError(
