@@ -58,7 +58,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def builtin_model_cache(tmp_path_factory):
+def model_cache_dir(tmp_path_factory):
     """NEMO_GRPO_CACHE for the whole session: each built-in model (the warm-started tiny ones, SmolLM2's HF
     directory) is built once per test session, in a fresh directory, and reused by every module and run."""
     old = os.environ.get("NEMO_GRPO_CACHE")

@@ -23,3 +23,42 @@ def run_actors_pool(ray_cluster, tmp_path_factory):
     pool = RunActorsPool(str(tmp_path_factory.mktemp("run_actors")))
     yield pool
     pool.clear()
+
+
+# The user runs (train_runs.USER_RUNS: the default recipe's 400 steps on each back end, as a user runs them) start
+# with the session's first functional test and run beside every other test at the lowest priority (nice 19), so
+# that they take the cores the other tests leave idle (about a fifth) rather than slow them down; this module's
+# tests, moved to the end of the session, wait for them.
+USER_RUNS_NICE = 19
+USER_RUNS_MODULE = "test_user_runs.py"
+
+
+def pytest_collection_modifyitems(items):
+    """The tests that wait for the user runs go last, so that the runs overlap the whole session."""
+    waits = [item for item in items if item.path.name == USER_RUNS_MODULE]
+    items[:] = [item for item in items if item.path.name != USER_RUNS_MODULE] + waits
+
+
+@pytest.fixture(scope="session", autouse=True)
+def user_runs(request, tmp_path_factory):
+    """{back end: (tmp_path, ModuleRun)}: the selected user runs (train_runs.USER_RUNS), started now, each in a
+    process and a Ray cluster of its own; killed at the session's end if still running. Empty when none is
+    selected."""
+    selected = sorted({item.callspec.params["backend"] for item in request.session.items
+                       if item.path.name == USER_RUNS_MODULE})
+    if not selected:
+        yield {}
+        return
+    request.getfixturevalue("model_cache_dir")  # NEMO_GRPO_CACHE, which the processes inherit
+    from train_runs import USER_RUNS, start_train
+
+    from nemo_grpo.models.builtin import resolve_model_path
+
+    resolve_model_path("builtin:tiny-addition")  # built once here, not by both runs at once
+    runs = {}
+    for backend in selected:
+        tmp_path = tmp_path_factory.mktemp(f"user_run_{backend}")
+        runs[backend] = tmp_path, start_train(tmp_path, *USER_RUNS[backend], nice=USER_RUNS_NICE)
+    yield runs
+    for _, run in runs.values():
+        run.kill()

@@ -1,57 +1,13 @@
-"""End-to-end on the CPU: the default recipe learns on both back ends (the long runs: DTensor as a user runs it, in
-a fresh process that runs beside the module's other tests; Megatron in this process); a run resumed from its
+"""End-to-end on the CPU, in this process on the session's Ray cluster (train_in_process): a run resumed from its
 checkpoint continues exactly; GRPO against a reward model trained here raises that model's reward; the code recipe
-learns in the sandbox; the objectives users switch on and LoRA learn. All but the user's run in this process on the
-session's Ray cluster (train_in_process)."""
+learns in the sandbox; the objectives users switch on and LoRA learn. (The default recipe's long runs, as a user
+runs them: test_user_runs.py.)"""
 
 import os
 
 import pytest
-from train_runs import (assert_quiet_console, builtin_model_cache, policy_expected_reward, read_metrics,  # noqa: F401
-                        start_train, summary, train_in_process)
-
-USER_RUN = "test_default_recipe_learns_as_a_user_runs_it"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def user_run(request, tmp_path_factory):
-    """The DTensor default recipe as a user runs it (`python -m nemo_grpo.train`: a process and a Ray cluster of
-    its own), started with the module's first test, so that its 400 steps overlap the in-process runs; USER_RUN,
-    the module's last test, waits for it. Not started when USER_RUN is not selected."""
-    if not any(item.name == USER_RUN for item in request.session.items):
-        yield None
-        return
-    request.getfixturevalue("builtin_model_cache")  # NEMO_GRPO_CACHE, which the process inherits
-    tmp_path = tmp_path_factory.mktemp("user_run")
-    run = start_train(tmp_path)
-    yield tmp_path, run
-    run.kill()
-
-
-def first_and_last_10(rewards: list[float]) -> tuple[float, float]:
-    return sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-
-
-def assert_default_recipe_learned(train: list[dict], log_dir: str) -> list[dict]:
-    """The default recipe's criterion on a run's train rows: 400 steps, mean reward of the last 10 >= first 10 +
-    0.3, validation accuracy up, the engine sampling from the policy it was refit with (fp32, same kernels).
-    Returns the validation rows."""
-    rewards = [r["reward"] for r in train]
-    assert len(rewards) == 400
-    first, last = first_and_last_10(rewards)
-    print(f"reward first10={first:.3f} last10={last:.3f}")
-    assert last - first >= 0.3, (first, last)
-    val = read_metrics(log_dir, "val")
-    assert val[-1]["accuracy"] > val[0]["accuracy"]
-    assert all(abs(r["token_mult_prob_error"] - 1.0) < 1e-3 for r in train)
-    return val
-
-
-@pytest.mark.slow
-def test_default_recipe_learns_on_megatron(ray_cluster, run_actors_pool, tmp_path):
-    """The same criterion on the Megatron back end, 400 steps, in this process."""
-    trainer, _ = train_in_process(tmp_path, "policy.backend=megatron", "logger.plot=false", pool=run_actors_pool)
-    assert_default_recipe_learned(trainer.history, f"{tmp_path}/logs")
+from train_runs import (builtin_model_cache, first_and_last_10, policy_expected_reward, read_metrics,  # noqa: F401
+                        summary, train_in_process)
 
 
 @pytest.mark.slow
@@ -186,24 +142,3 @@ def test_objective_learns(ray_cluster, run_actors_pool, tmp_path, objective):
         assert max(r["clip_fraction"] for r in trainer.history) > 0
     if objective == "lora":
         assert all(abs(r["token_mult_prob_error"] - 1.0) < 1e-3 for r in trainer.history)
-
-
-@pytest.mark.slow
-def test_default_recipe_learns_as_a_user_runs_it(user_run):
-    """The issue's criterion: mean reward of the last 10 steps >= first 10 + 0.3, fixed seed; DTensor, the default,
-    in a fresh `python -m nemo_grpo.train` process (started with the module's first test): its console, summary
-    line, run.log and plot."""
-    tmp_path, run = user_run
-    proc = run.wait()
-    train = read_metrics(f"{tmp_path}/logs", "train")
-    val = assert_default_recipe_learned(train, f"{tmp_path}/logs")
-    # the console: our progress only (vLLM's warnings stay in Ray's session logs), then the summary line
-    assert_quiet_console(proc)
-    done = summary(proc)
-    best = max(v["accuracy"] for v in val)
-    assert done["steps"] == "400" and float(done["first"]) == round(train[0]["reward"], 2)
-    assert float(done["best"]) == round(best, 2)
-    assert int(done["best_step"]) == min(v["step"] for v in val if v["accuracy"] == best)
-    assert done["checkpoint"].endswith("ckpt/step_400") and done["plot"].endswith("logs/reward.png")
-    assert os.path.getsize(f"{tmp_path}/logs/run.log") > 0
-    assert os.path.isfile(f"{tmp_path}/logs/reward.png")

@@ -44,7 +44,7 @@ LAYOUTS.update({  # sequence packing: the 4 conversations (46-57 tokens) two to 
 
 
 @pytest.fixture(scope="module")
-def smollm2(builtin_model_cache):
+def smollm2(model_cache_dir):
     """(HF directory, tokenizer, batch): the checkpoint built once into the session's cache, and 4 chat samples."""
     path = resolve_model_path(MODEL)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -18,23 +18,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(autouse=True, scope="module")
-def builtin_model_cache(builtin_model_cache):
+def builtin_model_cache(model_cache_dir):
     """Every run of the importing module uses the session's built-in model cache (tests/conftest.py): the
     warm-started models are built once per session, by whichever run needs one first."""
-    return builtin_model_cache
+    return model_cache_dir
 
 
 class ModuleRun:
     """`python -m <module> [--config X] ...` started in a fresh process (its own Ray cluster), as a user runs it;
-    logs and checkpoints under tmp_path, stdout and stderr into files there. wait() -> the finished process."""
+    logs and checkpoints under tmp_path, stdout and stderr into files there. wait() -> the finished process.
+    nice: the process's niceness increment (its Ray cluster's daemons and workers inherit it)."""
 
-    def __init__(self, module: str, tmp_path, *overrides, config: str = None):
+    def __init__(self, module: str, tmp_path, *overrides, config: str = None, nice: int = 0):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("RAY_ADDRESS", None)
         self.args = [sys.executable, "-m", module, *(["--config", config] if config else []),
                      f"checkpointing.checkpoint_dir={tmp_path}/ckpt", f"logger.log_dir={tmp_path}/logs", *overrides]
         self.out, self.err = (open(os.path.join(tmp_path, name), "w+") for name in ("stdout.txt", "stderr.txt"))
-        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=self.out, stderr=self.err, text=True)
+        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=self.out, stderr=self.err, text=True,
+                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
     def wait(self, timeout: int = 1500) -> subprocess.CompletedProcess:
         """The finished process (stdout, stderr as text); an AssertionError with their tails unless it exited 0."""
@@ -58,8 +60,17 @@ def run_module(module: str, tmp_path, *overrides, config: str = None, timeout: i
     return ModuleRun(module, tmp_path, *overrides, config=config).wait(timeout)
 
 
-def start_train(tmp_path, *overrides, config: str = None) -> ModuleRun:
-    return ModuleRun("nemo_grpo.train", tmp_path, "logger.progress_bar=false", *overrides, config=config)
+# The default recipe as a user runs it (`python -m nemo_grpo.train [overrides]`), on each back end: the long
+# learning runs (test_user_runs.py; conftest.py starts them with the session)
+USER_RUNS = {"dtensor": (), "megatron": ("policy.backend=megatron",)}
+
+
+def first_and_last_10(rewards: list[float]) -> tuple[float, float]:
+    return sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+
+
+def start_train(tmp_path, *overrides, config: str = None, nice: int = 0) -> ModuleRun:
+    return ModuleRun("nemo_grpo.train", tmp_path, "logger.progress_bar=false", *overrides, config=config, nice=nice)
 
 
 def run_train(tmp_path, *overrides, config: str = None, timeout: int = 1500):
