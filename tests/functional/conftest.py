@@ -26,9 +26,10 @@ def run_actors_pool(ray_cluster, tmp_path_factory):
 
 
 # The user runs (train_runs.USER_RUNS: the default recipe's 400 steps on each back end, as a user runs them) start
-# with the session's first functional test and run beside every other test at the lowest priority (nice 19), so
-# that they take the cores the other tests leave idle (about a fifth) rather than slow them down; this module's
-# tests, moved to the end of the session, wait for them.
+# with the session's first functional test and run beside every other test at nice 19, so that they take the cores
+# the other tests leave idle (about a fifth). Not the idle time only: the session's own Ray workers run at Ray's
+# nice 15, so the first modules slow down while the runs last (about 6 minutes); SCHED_IDLE measured slower over
+# the whole suite. USER_RUNS_MODULE's tests, moved to the end of the session, wait for the runs.
 USER_RUNS_NICE = 19
 USER_RUNS_MODULE = "test_user_runs.py"
 
@@ -53,8 +54,10 @@ def user_runs(request, tmp_path_factory):
     from train_runs import USER_RUNS, start_train
 
     from nemo_grpo.models.builtin import resolve_model_path
+    from nemo_grpo.validation import load_config
 
-    resolve_model_path("builtin:tiny-addition")  # built once here, not by both runs at once
+    for backend in selected:  # the runs' built-in model, built once here rather than by both runs at once
+        resolve_model_path(load_config(None, list(USER_RUNS[backend]), files=False).policy.model_name)
     runs = {}
     for backend in selected:
         tmp_path = tmp_path_factory.mktemp(f"user_run_{backend}")
