@@ -30,7 +30,7 @@ def run_actors_pool(ray_cluster, tmp_path_factory):
 # the other tests leave idle (about a fifth). Not the idle time only: the session's own Ray workers run at Ray's
 # nice 15, so the first modules slow down while the runs last (about 6 minutes). Three other arrangements measured
 # slower over the whole suite: SCHED_IDLE (the runs starve, then compete with test_grpo_e2e.py), the runs one
-# after the other (21:11 against 19:45 at once, the same checkout an hour apart) and the modules without a slow
+# after the other (21:11 against 19:45 at once, the same checkout half an hour apart) and the modules without a slow
 # test first, beside the runs (22:50: the runs took 9 minutes, and test_mcore_moe.py 211 s against 85).
 # USER_RUNS_MODULE's tests, moved to the end of the session, wait for the runs.
 USER_RUNS_NICE = 19
