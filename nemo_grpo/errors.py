@@ -1,4 +1,4 @@
-"""The errors a user's input causes (config, recipe files, data, output directories).
+"""The errors a user's input causes (config, recipe files, data, output directories), or the machine they run on.
 
 Entry points catch `UserInputError` and print its message as one line on stderr, exit status 2, wherever it is
 raised: while loading the config or while building the run. Anything else is a bug and keeps its traceback.
@@ -7,6 +7,11 @@ raised: while loading the config or while building the run. Anything else is a b
 
 class UserInputError(ValueError):
     """Bad input from the user; the message names the config key, the file (and line) or the value."""
+
+
+class MachineError(UserInputError):
+    """The machine cannot do what the run needs (e.g. start a local Ray cluster in Ray's time); the message says
+    what failed and the remedy."""
 
 
 class ConfigError(UserInputError):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 
 import ray
+from ray._common.utils import get_default_ray_temp_dir
 
-from nemo_grpo.distributed.reaper import start_reaper
+from nemo_grpo.distributed.reaper import reap, start_reaper
+from nemo_grpo.errors import MachineError
 from nemo_grpo.utils.cli import quiet_libraries
 
 log = logging.getLogger(__name__)
@@ -21,6 +24,9 @@ WORKER_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "PYTHONWARNINGS": "ignore",
 }
+# Ray waits a fixed 30 s (ray/_private/node.py) for a new head's raylet to register with its GCS, and raises this
+START_TIMEOUT_MESSAGE = "timed out during startup"
+START_ATTEMPTS = 2
 
 
 def init_ray(num_cpus: int | None = None, address: str | None = None, log_to_driver: bool = True) -> None:
@@ -47,12 +53,37 @@ def init_ray(num_cpus: int | None = None, address: str | None = None, log_to_dri
         context = ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver,
                            configure_logging=False)
     else:
-        context = ray.init(num_cpus=max(num_cpus or 0, os.cpu_count() or 1, 8), include_dashboard=False,
-                           _node_ip_address="127.0.0.1", runtime_env=runtime_env, log_to_driver=log_to_driver,
-                           configure_logging=False)
+        context = start_local_cluster(num_cpus=max(num_cpus or 0, os.cpu_count() or 1, 8), include_dashboard=False,
+                                      _node_ip_address="127.0.0.1", runtime_env=runtime_env,
+                                      log_to_driver=log_to_driver, configure_logging=False)
     session = getattr(context, "address_info", {}).get("session_dir")
     if not address and session:
         start_reaper(session)
     if not log_to_driver:
         where = os.path.join(session, "logs") if session else "Ray's session directory (/tmp/ray/session_latest/logs)"
         log.info("Ray workers' output (stdout/stderr of every actor): %s/worker-*.out, *.err", where)
+
+
+def start_local_cluster(**init_kwargs):
+    """ray.init(**init_kwargs) of a new local cluster, tried START_ATTEMPTS times: on an overloaded machine the
+    raylet can miss Ray's fixed 30 s start-up wait. Ray then raises with the half-started node's processes (GCS,
+    raylet, agents) still running; they are ended before the next try (they hold files in the node's session
+    directory, named after this process). The last failure is a MachineError that names the remedy."""
+    own_sessions = os.path.join(init_kwargs.get("_temp_dir") or get_default_ray_temp_dir(), f"session_*_{os.getpid()}")
+    for attempt in range(1, START_ATTEMPTS + 1):
+        before = set(glob.glob(own_sessions))
+        try:
+            return ray.init(**init_kwargs)
+        except Exception as e:
+            if START_TIMEOUT_MESSAGE not in str(e):
+                raise
+            for session_dir in set(glob.glob(own_sessions)) - before:
+                reap(session_dir, spare=os.getpid())
+            load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+            if attempt == START_ATTEMPTS:
+                raise MachineError(
+                    f"the local Ray cluster did not start: {START_ATTEMPTS} times its raylet missed Ray's fixed 30 s "
+                    f"start-up wait ({load}). Run again when the machine is less busy, or start the cluster first "
+                    "(`ray start --head`) and let the run join it: RAY_ADDRESS=auto") from e
+            log.warning("the local Ray cluster did not start within Ray's 30 s (%s); stopped its processes, "
+                        "starting it again (attempt %d of %d)", load, attempt + 1, START_ATTEMPTS)
