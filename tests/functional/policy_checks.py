@@ -4,6 +4,7 @@ Every back end is compared with a single-process Hugging Face model computed her
 """
 
 import sys
+from typing import Optional
 
 import pytest
 import ray
@@ -288,21 +289,31 @@ def _set_packed_attention(policy: Policy, attention: str) -> None:
     policy.group.run_all("__ray_call__", set_on)
 
 
-def check_varlen_equals_dense_mask(policy: Policy, batch: dict, ckpt: str, tol: float = 1e-5) -> None:
+def logprobs_and_one_train_call(policy: Policy, batch: dict) -> tuple[torch.Tensor, dict, list[int]]:
+    """(log-probs [B, T], the exported weights after one train call, per rank the packed-attention calls made)."""
+    calls = segment_attention_calls(policy)
+    lp = policy.get_logprobs(batch)
+    policy.train(batch, TokenPGLoss())
+    ran = [after - before for after, before in zip(segment_attention_calls(policy), calls)]
+    return lp, export_state(policy), ran
+
+
+def check_varlen_equals_dense_mask(policy: Policy, batch: dict, ckpt: str, tol: float = 1e-5,
+                                   varlen: Optional[tuple] = None) -> None:
     """Packed rows attended per segment (the policy's default) give the dense block-diagonal mask's log-probs and
     one train call's weights within `tol`, from the same start (checkpoint `ckpt`); the per-segment path ran on
-    every rank in the first and on none in the second. Leaves the policy on varlen attention, trained once."""
-    policy.save_checkpoint(ckpt)
-    out = {}
-    for attention in ("mask", "varlen"):
+    every rank in the first and on none in the second. `varlen`: logprobs_and_one_train_call's result already
+    taken from `ckpt`'s state on per-segment attention (it is not run again). Leaves the policy on varlen
+    attention, trained once from `ckpt`."""
+    out = {} if varlen is None else {"varlen": varlen}
+    if varlen is None:
+        policy.save_checkpoint(ckpt)
+    for attention in [a for a in ("mask", "varlen") if a not in out]:
         _set_packed_attention(policy, attention)
         policy.load_checkpoint(ckpt)
-        calls = segment_attention_calls(policy)
-        lp = policy.get_logprobs(batch)
-        policy.train(batch, TokenPGLoss())
-        ran = [after - before for after, before in zip(segment_attention_calls(policy), calls)]
-        assert all(n > 0 for n in ran) if attention == "varlen" else not any(ran), (attention, ran)
-        out[attention] = lp, export_state(policy)
+        out[attention] = logprobs_and_one_train_call(policy, batch)
+    _set_packed_attention(policy, "varlen")
+    assert all(n > 0 for n in out["varlen"][2]) and not any(out["mask"][2]), {a: o[2] for a, o in out.items()}
     lp_diff, weight_diff = (out["varlen"][0] - out["mask"][0]).abs().max().item(), max_diff(out["varlen"][1],
                                                                                             out["mask"][1])
     print(f"per-segment vs dense mask: log-probs {lp_diff:.2e}, weights after one step {weight_diff:.2e}")

@@ -13,8 +13,8 @@ block-diagonal mask's within 2x HF fp32's own error, as the truth (the tiny mode
 
 import pytest
 import torch
-from policy_checks import (CLUSTER, TEMPERATURE, TokenPGLoss, check_varlen_equals_dense_mask, export_state, hf_logprobs,
-                           load_hf, max_diff, policy_config)
+from policy_checks import (CLUSTER, TEMPERATURE, TokenPGLoss, check_varlen_equals_dense_mask, hf_logprobs, load_hf,
+                           logprobs_and_one_train_call, max_diff, policy_config)
 from transformers import AutoTokenizer
 
 from nemo_grpo.config import ClusterConfig
@@ -52,7 +52,8 @@ def smollm2(model_cache_dir):
 
 
 def chat_batch(tokenizer) -> dict:
-    """4 right-padded ChatML conversations (rendered as the trainer renders prompts) "What is a plus b?" -> "a + b = c"; the loss mask covers the answers."""
+    """4 right-padded ChatML conversations (rendered as the trainer renders prompts) "What is a plus b?" ->
+    "a + b = c"; the loss mask covers the answers."""
     rows, prompts = [], []
     for a, b in [(7, 5), (12, 30), (3, 4), (250, 750)]:
         prompt = render_prompt(tokenizer, [{"role": "user", "content": f"What is {a} plus {b}?"}])
@@ -76,7 +77,8 @@ def test_checkpoint_is_the_real_model(smollm2):
     path, tokenizer, batch = smollm2
     model = load_hf(path)
     cfg = model.config
-    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers, cfg.vocab_size) == (9, 3, 30, 49152)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers) == (9, 3, 30)
+    assert cfg.vocab_size == 49152
     assert cfg.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert tokenizer.eos_token == "<|im_end|>" and "<|im_start|>assistant" in tokenizer.decode(batch["input_ids"][0])
@@ -130,14 +132,16 @@ def test_layout_as_accurate_as_hf(ray_cluster, smollm2, truth, start_weights, la
     cfg = policy_config(path, backend=backend, **overrides)
     cfg.optimizer.name, cfg.optimizer.lr, cfg.optimizer.warmup_steps, cfg.max_grad_norm = "sgd", 1.0, 0, None
     with Policy(cfg, cluster, path) as policy:
-        error = (policy.get_logprobs(batch).double() - lp_true).abs().max().item()
-        policy.train(batch, TokenPGLoss())  # 4 samples = 1 global batch: one SGD step, w -= g
-        after = export_state(policy)
+        if layout in DENSE_PARITY:
+            policy.save_checkpoint(str(tmp_path / "start"))
+        # 4 samples = 1 global batch: one SGD step, w -= g
+        varlen = lp, after, _ = logprobs_and_one_train_call(policy, batch)
+        error = (lp.double() - lp_true).abs().max().item()
         policy.save_pretrained(str(tmp_path / "hf"))
         if layout in DENSE_PARITY:
             # fp32 over 30 layers: the two attention kernels round differently, so the bound is the one above
             # (2x HF fp32's own error); measured on DTensor DP=2: log-probs 6.9e-5, weights (the SGD step) 7.8e-5
-            check_varlen_equals_dense_mask(policy, batch, str(tmp_path / "start"), tol=2 * hf_error)
+            check_varlen_equals_dense_mask(policy, batch, str(tmp_path / "start"), tol=2 * hf_error, varlen=varlen)
     grad_error = max(((before[k].double() - after[k].double()) - grads[k]).norm().item() / grads[k].norm().item()
                      for k in before)
     print(f"{layout}: log-prob error {error:.2e} (HF fp32 {hf_error:.2e}), worst gradient error {grad_error:.2e}")
