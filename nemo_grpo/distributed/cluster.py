@@ -82,8 +82,8 @@ def start_local_cluster(**init_kwargs):
             load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
             if attempt == START_ATTEMPTS:
                 raise MachineError(
-                    f"the local Ray cluster did not start: {START_ATTEMPTS} times its raylet missed Ray's fixed 30 s "
-                    f"start-up wait ({load}). Run again when the machine is less busy, or start the cluster first "
-                    "(`ray start --head`) and let the run join it: RAY_ADDRESS=auto") from e
+                    f"the local Ray cluster did not start: on each of {START_ATTEMPTS} tries its raylet missed Ray's "
+                    f"fixed 30 s start-up wait ({load}). Run again when the machine is less busy, or start the "
+                    "cluster first (`ray start --head`) and let the run join it: RAY_ADDRESS=auto") from e
             log.warning("the local Ray cluster did not start within Ray's 30 s (%s); stopped its processes, "
                         "starting it again (attempt %d of %d)", load, attempt + 1, START_ATTEMPTS)
