@@ -135,7 +135,8 @@ def test_layout_as_accurate_as_hf(ray_cluster, smollm2, truth, start_weights, la
         if layout in DENSE_PARITY:
             policy.save_checkpoint(str(tmp_path / "start"))
         # 4 samples = 1 global batch: one SGD step, w -= g
-        varlen = lp, after, _ = logprobs_and_one_train_call(policy, batch)
+        varlen = logprobs_and_one_train_call(policy, batch)
+        lp, after, _ = varlen
         error = (lp.double() - lp_true).abs().max().item()
         policy.save_pretrained(str(tmp_path / "hf"))
         if layout in DENSE_PARITY:
