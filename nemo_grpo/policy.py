@@ -118,6 +118,21 @@ class Policy:
         self.dist_backend = layouts[0]["dist_backend"]  # "nccl" | "gloo"
         log.info("%s: %d %s worker(s) on %s, torch.distributed %s, started in %.1f s", name, self.world_size,
                  cfg.backend, ", ".join(sorted(set(self.devices))), self.dist_backend, self.startup_s)
+        if cluster.num_nodes > 1:  # where each rank runs and which network its process groups use
+            self.log_process_groups()
+
+    def log_process_groups(self) -> None:
+        """One line a rank: `policy rank 1 on n2 (10.77.0.12): process group over eth0, peers 10.77.0.11,...`."""
+        for rank, r in enumerate(self.process_group_report()):
+            log.info("%s rank %d on %s (%s): process group over %s, peers %s", self.name, rank, r["hostname"],
+                     r["address"], r["interface"], ",".join(r["peers"]) or "none")
+
+    def process_group_report(self) -> list[dict[str, Any]]:
+        """Per rank, where its process groups are: {"hostname", "address" (its node's Ray address), "interface"
+        (the network interface they bind: the one holding that address, unless GLOO_SOCKET_IFNAME /
+        NCCL_SOCKET_IFNAME was set, which wins), "peers" (remote IPv4 addresses of its established TCP
+        connections)}; see distributed/interfaces.py."""
+        return self.group.run_all("process_group_report")
 
     # ------------------------------------------------------------------------------------------ dispatch
     def ship(self, batch: dict[str, Any]) -> ShippedRows:

@@ -33,6 +33,7 @@ from nemo_grpo.backends.context_parallel import context_group
 from nemo_grpo.backends.model_inputs import ModelInputs, model_inputs, split_context
 from nemo_grpo.backends.optimizer import build_optimizer, clip_coefficient, lr_warmup_factor
 from nemo_grpo.backends.router import RouterLosses
+from nemo_grpo.distributed.interfaces import process_group_report
 from nemo_grpo.distributed.spare_workers import RestartableWorker
 from nemo_grpo.distributed.worker_group import init_torch_distributed
 from nemo_grpo.layout import ParallelLayout, policy_layout
@@ -247,6 +248,12 @@ class PolicyWorker(RestartableWorker, ABC):
         and what it runs on: device ("cuda:0" | "cpu") and dist_backend ("nccl" | "gloo")."""
         return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
                 "output_rank": int(self.output_rank), "device": str(self.device), "dist_backend": dist.get_backend()}
+
+    def process_group_report(self) -> dict[str, Any]:
+        """Where this rank's process groups are (distributed/interfaces.py): hostname, address (the node's Ray
+        address), interface (what they bind; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win when set) and peers
+        (remote IPv4 addresses of its established TCP connections)."""
+        return process_group_report()
 
     def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

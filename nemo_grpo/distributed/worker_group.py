@@ -33,6 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nemo_grpo.distributed import spare_workers
 from nemo_grpo.distributed.cluster import WORKER_ENV
+from nemo_grpo.distributed.interfaces import bind_interface
 from nemo_grpo.distributed.spare_workers import RestartableWorker, kill_actors
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,9 @@ def init_torch_distributed(timeout_s: float = 1800.0) -> torch.device:
     """In a WorkerGroup actor (or under torchrun): pin threads, join the default process group, return the device.
 
     NCCL when CUDA is available (Ray exposes one GPU per actor: cuda:0), else gloo on the CPU. Idempotent.
+    The groups bind the network interface that holds this node's Ray address (interfaces.bind_interface: sets
+    GLOO_SOCKET_IFNAME, and NCCL_SOCKET_IFNAME for NCCL); either variable, when set in the worker's
+    environment, wins.
     """
     pin_threads()
     cuda = torch.cuda.is_available()
@@ -90,8 +94,9 @@ def init_torch_distributed(timeout_s: float = 1800.0) -> torch.device:
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", init_method="env://",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        backend = "nccl" if cuda else "gloo"
+        bind_interface(backend)
+        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
     return device
 
 

@@ -35,6 +35,8 @@ from typing import Optional
 
 import torch
 
+from nemo_grpo.distributed.interfaces import bind_interface
+
 STORE_PREFIX = "nemo_grpo/weight_transfer"
 ALIGN = 64  # bytes: every dtype group of a region starts at a multiple
 
@@ -99,6 +101,7 @@ def join_group(host: str, port: int, rank: int, world_size: int, backend: str, t
     world_size members have joined. backend: "gloo" (CPU tensors) | "nccl" (CUDA tensors on the current device).
     Returns the backend object (`broadcast([tensor], opts)`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    bind_interface(backend, master_addr=host)  # the interface of this node's Ray address: engines on other nodes
     if store is None:
         store = torch.distributed.TCPStore(host, port, is_master=False, timeout=timeout)
     prefixed = torch.distributed.PrefixStore(STORE_PREFIX, store)

@@ -48,6 +48,20 @@ class TestFSDP:
         assert sum(r["numel"] for r in reads) == sum(p.numel() for p in params)
         assert [r["largest"] for r in reads] == [max(p.numel() for p in params) // 2] * 2
 
+    def test_process_groups_bind_the_interface_of_the_nodes_ray_address(self, fsdp_qwen3):
+        """One-node cluster: the group's MASTER_ADDR is 127.0.0.1, so every rank binds lo (Ray's node address
+        is this machine's own IP all the same); its TCP peers are loopback (the gloo mesh, the store) and that
+        address (Ray's own connections), nothing else."""
+        import ray
+
+        policy, _ = fsdp_qwen3
+        reports = policy.process_group_report()
+        node_ip = ray.util.get_node_ip_address()
+        assert len(reports) == 2
+        for report in reports:
+            assert (report["address"], report["interface"]) == (node_ip, "lo"), report
+            assert "127.0.0.1" in report["peers"] and set(report["peers"]) <= {"127.0.0.1", node_ip}, report
+
     def test_export_weights_buckets(self, fsdp_qwen3):
         policy, path = fsdp_qwen3
         limit_mb = 0.05
