@@ -16,7 +16,8 @@ from nemo_grpo.config import EvalMasterConfig, MasterConfig, read_config, to_dic
 from nemo_grpo.data.datasets import load_problems
 from nemo_grpo.data.prompts import PromptLoader, build_prompts, read_prompt_files
 from nemo_grpo.distributed.cluster import init_ray
-from nemo_grpo.distributed.resource_plan import plan_resources, reserve
+from nemo_grpo.distributed.resource_plan import engine_node, plan_resources, reserve
+from nemo_grpo.distributed.shared_storage import check_shared_directory
 from nemo_grpo.envs import create_env
 from nemo_grpo.errors import DataError
 from nemo_grpo.generation import make_generation_engine
@@ -88,7 +89,8 @@ def start_actors(cfg: MasterConfig, model_path: str):
     try:
         with ThreadPoolExecutor(1) as pool:  # the engine's constructor waits for its workers: start it meanwhile
             engine = pool.submit(make_generation_engine, cfg.policy.generation, model_path, cfg.cluster,
-                                 in_flight_updates=a.enabled and a.in_flight_weight_updates)
+                                 in_flight_updates=a.enabled and a.in_flight_weight_updates,
+                                 scheduling_strategy=engine_node(plan, groups))
             try:
                 started.policy = Policy(
                     cfg.policy, plan.placements["policy"].as_cluster(cfg.cluster.num_threads_per_worker), model_path,
@@ -109,9 +111,11 @@ def start_actors(cfg: MasterConfig, model_path: str):
 def build_trainer(cfg: MasterConfig, *, log_to_driver: bool = True, start=start_actors):
     """The GRPOTrainer of a validated config. What the user's input can break is checked first, cheapest first
     (output directories, the checkpoint to resume, data files, then the model and its tokenizer), so a
-    UserInputError comes before Ray or any actor starts. log_to_driver=False leaves the Ray workers' output
-    in Ray's session logs. start(cfg, model_path) -> RunActors gives the run its actors (`start_actors`; a
-    caller running several runs in one process may hand back actors it kept, reset to their start)."""
+    UserInputError comes before Ray or any actor starts; with Ray up, before any worker: that every node sees
+    checkpointing.checkpoint_dir (shared_storage.py), then the resource plan against the cluster (`reserve`).
+    log_to_driver=False leaves the Ray workers' output in Ray's session logs. start(cfg, model_path) ->
+    RunActors gives the run its actors (`start_actors`; a caller running several runs in one process may hand
+    back actors it kept, reset to their start)."""
     checkpointer = CheckpointManager(cfg.checkpointing)  # creates checkpoint_dir, checks that it is writable
     if cfg.checkpointing.enabled and cfg.checkpointing.resume:
         checkpointer.get_latest_checkpoint_path()  # file sizes only: a damaged newest warns, all damaged raises
@@ -124,6 +128,8 @@ def build_trainer(cfg: MasterConfig, *, log_to_driver: bool = True, start=start_
     loader, val = build_datasets(cfg, tokenizer, problems)
     logger = Logger(cfg.logger, to_dict(cfg))
     init_ray(log_to_driver=log_to_driver)
+    if cfg.checkpointing.enabled:  # several nodes: each must see the directory its policy ranks write
+        check_shared_directory(checkpointer.root, "checkpointing.checkpoint_dir")
     return GRPOTrainer(cfg, tokenizer=tokenizer, actors=start(cfg, model_path), loader=loader, val_datums=val,
                        logger=logger, checkpointer=checkpointer)
 

@@ -11,6 +11,8 @@ Node indices: the policy first (0..p-1, so policy rank 0 is on node 0), then gen
 node with a per-bundle label selector on Ray's node-id label. The planned node index i is the i-th alive
 Ray node in `ordered_node_ids()` order: nodes with a custom resource `node_index:<k>` by k first, then the
 head node, then the others by node id (hex); only nodes that have the bundles' device resource count.
+Before reserving, `check_capacity` holds the plan against the cluster: exactly cluster.num_nodes such nodes, each
+with cluster.gpus_per_node devices (CPU slots on a CPU-only cluster), else a ConfigError naming the key and nodes.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class ResourcePlan:
     placements: dict[str, Placement]
     colocated_generation: bool = True
     num_nodes: int = 1
+    gpus_per_node: int = 0  # cluster.gpus_per_node: devices each planned node must have (0: what its roles use)
 
     def placement_of(self, role: str) -> Placement:
         """The placement a role runs on (colocated generation: the policy's)."""
@@ -128,7 +131,7 @@ def plan_resources(cfg: MasterConfig) -> ResourcePlan:
     plan = _plan_one_node if c.num_nodes == 1 else _plan_nodes
     placements = plan(cfg, dedicated)
     return ResourcePlan(placements=placements, colocated_generation=cfg.policy.generation.colocated.enabled,
-                        num_nodes=c.num_nodes)
+                        num_nodes=c.num_nodes, gpus_per_node=c.gpus_per_node)
 
 
 def _plan_one_node(cfg: MasterConfig, dedicated) -> dict[str, Placement]:
@@ -203,21 +206,39 @@ def order_nodes(nodes: list[dict], device: str = "GPU") -> list[str]:
     return [n["NodeID"] for n in sorted(alive, key=_node_sort_key)]
 
 
-def _check_capacity(plan: ResourcePlan, device: str) -> list[str]:
-    """Node ids of the planned nodes; RuntimeError with the arithmetic where Ray has too few nodes or devices."""
-    nodes = _ray().nodes()
+def node_name(node: dict) -> str:
+    """A Ray node record as the user knows it: "hostname (IP)"."""
+    host, ip = node.get("NodeManagerHostname"), node.get("NodeManagerAddress")
+    if host and ip and host != ip:
+        return f"{host} ({ip})"
+    return host or ip or node["NodeID"]
+
+
+def _count(n: float, noun: str) -> str:
+    return f"{n:g} {noun}" if n == 1 else f"{n:g} {noun}s"
+
+
+def check_capacity(plan: ResourcePlan, nodes: list[dict], device: str = "GPU") -> list[str]:
+    """Node ids of the plan's nodes (planned-node order) among Ray's node records (`ray.nodes()`); ConfigError
+    naming the key, with the numbers, unless the alive nodes with `device` are exactly cluster.num_nodes and
+    each has cluster.gpus_per_node of them (on a CPU-only cluster a CPU slot stands in for each GPU)."""
     node_ids = order_nodes(nodes, device)
-    if len(node_ids) < plan.num_nodes:
-        raise RuntimeError(f"the resource plan needs {plan.num_nodes} nodes (cluster.num_nodes) but Ray has "
-                           f"{len(node_ids)} alive nodes with {device} resources\n{plan.describe()}")
-    capacity = {n["NodeID"]: n["Resources"].get(device, 0) for n in nodes if n.get("Alive")}
-    for node in range(plan.num_nodes):
-        demand = plan.gpus_on_node(node)
-        have = capacity[node_ids[node]]
-        if sum(demand.values()) > have:
-            parts = " + ".join(f"{role} {gpus}" for role, gpus in demand.items())
-            raise RuntimeError(f"planned node {node} (Ray node {node_ids[node]}) has {have:g} {device} but the "
-                               f"plan puts {parts} = {sum(demand.values())} there\n{plan.describe()}")
+    by_id = {n["NodeID"]: n for n in nodes}
+    if len(node_ids) != plan.num_nodes:
+        names = ", ".join(node_name(by_id[i]) for i in node_ids) or "none"
+        raise ConfigError(f"config key 'cluster.num_nodes': {plan.num_nodes}, but the Ray cluster has "
+                          f"{_count(len(node_ids), 'alive node')} with {device}s ({names}): set "
+                          f"cluster.num_nodes={len(node_ids)} or start Ray on {_count(plan.num_nodes, 'node')}")
+    for index, node_id in enumerate(node_ids):
+        need = max(plan.gpus_per_node, sum(plan.gpus_on_node(index).values()))
+        have = by_id[node_id]["Resources"].get(device, 0)
+        if have < need:
+            remedy = (f"start Ray with {need} GPUs on every node" if device == "GPU" else
+                      f"start Ray with {need} CPUs on every node (ray start --num-cpus={need}: on a CPU-only "
+                      "cluster each rank takes a CPU slot)")
+            raise ConfigError(f"config key 'cluster.gpus_per_node': {need}, but planned node {index}, "
+                              f"{node_name(by_id[node_id])}, has {_count(have, device)}: set "
+                              f"cluster.gpus_per_node={int(have)} or {remedy}")
     return node_ids
 
 
@@ -232,7 +253,7 @@ def reserve(plan: ResourcePlan, cpu_only: Optional[bool] = None,
         cpu_only = ray.cluster_resources().get("GPU", 0) == 0
     device = "CPU" if cpu_only else "GPU"
     bundle = {"CPU": 1.0} if cpu_only else {"GPU": 1.0, "CPU": 1.0}
-    node_ids = _check_capacity(plan, device)
+    node_ids = check_capacity(plan, ray.nodes(), device)
     groups, tag = {}, uuid.uuid4().hex[:8]  # placement-group names must be unique in the cluster
     for role, p in plan.placements.items():
         selectors = [{NODE_ID_LABEL: node_ids[node]} for node in p.bundle_nodes()]
@@ -246,6 +267,19 @@ def reserve(plan: ResourcePlan, cpu_only: Optional[bool] = None,
         raise RuntimeError(f"placement groups of {waiting} not ready within {timeout_s:.0f}s (bundles of "
                            f"{bundle}); Ray has {ray.available_resources()} available\n{plan.describe()}")
     return groups
+
+
+def engine_node(plan: ResourcePlan, groups: dict):
+    """A Ray scheduling strategy that pins the generation engine's actor to its planned node: policy rank 0's
+    (colocated: the engine shares the policy's devices and reads its refit from that node's memory) or the
+    first of generation's own (non-colocated). Node affinity, not a bundle: the engine's actor may ask for more
+    devices than one bundle holds (vLLM's tensor_parallel_size)."""
+    ray = _ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    group = groups["policy"] if plan.colocated_generation else groups["generation"]
+    node_id = ray.util.placement_group_table(group)["bundles_to_node_id"][0]
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
 
 
 def release(groups: dict) -> None:

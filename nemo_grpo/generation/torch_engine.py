@@ -160,9 +160,10 @@ def _attach_routes(outputs: list[GenerationOutput], prompts: list[list[int]], ro
 class TorchGeneration(GenerationEngine):
     """Driver-side front of one TorchGenerationWorker actor."""
 
-    def __init__(self, cfg, model_path: str, cluster_cfg, *, in_flight_updates: bool = False):
+    def __init__(self, cfg, model_path: str, cluster_cfg, *, in_flight_updates: bool = False,
+                 scheduling_strategy=None):
         self.actor = ray.remote(TorchGenerationWorker).options(
-            num_cpus=0, max_concurrency=2 if in_flight_updates else 1).remote(
+            num_cpus=0, max_concurrency=2 if in_flight_updates else 1, scheduling_strategy=scheduling_strategy).remote(
             model_path, cfg, cluster_cfg.num_threads_per_worker, in_flight_updates)
 
     def generate(self, prompts, *, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):

@@ -323,7 +323,8 @@ class VllmGeneration(GenerationEngine):
     GPUs (vLLM in bfloat16; its TP workers use the actor's devices).
     """
 
-    def __init__(self, cfg, model_path: str, cluster_cfg, *, seed: int = 0, in_flight_updates: bool = False):
+    def __init__(self, cfg, model_path: str, cluster_cfg, *, seed: int = 0, in_flight_updates: bool = False,
+                 scheduling_strategy=None):
         if not vllm_available():
             raise ImportError("policy.generation.backend 'vllm' needs vLLM installed (pip install vllm)")
         self.cfg = cfg
@@ -332,7 +333,7 @@ class VllmGeneration(GenerationEngine):
         num_gpus = v.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
         self.actor = ray.remote(VllmGenerationWorker).options(
             num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env},
-            max_concurrency=2 if in_flight_updates else 1).remote(
+            max_concurrency=2 if in_flight_updates else 1, scheduling_strategy=scheduling_strategy).remote(
             model_path, cluster_cfg.num_threads_per_worker, v.max_model_len, v.gpu_memory_utilization, seed,
             v.tensor_parallel_size, in_flight_updates)
         ray.get(self.actor.__ray_ready__.remote())  # surface start-up errors here, not at the first generate

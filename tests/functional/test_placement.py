@@ -78,21 +78,29 @@ def _check_worker_group_on_reserved_group(plan, groups, node_id) -> None:
 
 
 def _check_impossible_reservations(resource_plan, node_id) -> None:
-    """Too few nodes, too few devices on a node, and devices already taken: errors with the numbers."""
+    """Too few nodes, too few devices on a node: one-line UserInputErrors naming the key, the numbers and the node,
+    before any placement group is made."""
+    import ray
+
+    from nemo_grpo.errors import UserInputError
+
+    node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
     too_many_nodes = resource_plan.plan_resources(_config("cluster.num_nodes=2", "cluster.gpus_per_node=8"))
     try:
         resource_plan.reserve(too_many_nodes)
         raise AssertionError("reserved 2 nodes on a 1-node Ray cluster")
-    except RuntimeError as e:
-        assert "needs 2 nodes (cluster.num_nodes) but Ray has 1 alive nodes with GPU" in str(e), e
+    except UserInputError as e:
+        assert str(e) == (f"config key 'cluster.num_nodes': 2, but the Ray cluster has 1 alive node with GPUs "
+                          f"({resource_plan.node_name(node)}): set cluster.num_nodes=1 or start Ray on 2 nodes"), e
     too_many_gpus = resource_plan.plan_resources(_config("cluster.gpus_per_node=16", "env.reward_model.enabled=true",
                                                          "env.reward_model.resources.gpus_per_node=4"))
     try:
         resource_plan.reserve(too_many_gpus)
         raise AssertionError("reserved 16 GPUs on an 8-GPU node")
-    except RuntimeError as e:
-        assert f"planned node 0 (Ray node {node_id}) has 8 GPU but the plan puts policy 12 + reward_model 4 = 16" \
-            in str(e), e
+    except UserInputError as e:
+        assert str(e).startswith(f"config key 'cluster.gpus_per_node': 16, but planned node 0, "
+                                 f"{resource_plan.node_name(node)}, has 8 GPUs: set cluster.gpus_per_node=8"), e
+    assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())  # none made
 
 
 def run_one_node() -> None:
@@ -168,9 +176,38 @@ def run_four_nodes() -> None:
         groups = resource_plan.reserve(plan)
         _check_landing(plan, groups, planned_node_ids)
         resource_plan.release(groups)
+        _check_cluster_wide_input(resource_plan)
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def _check_cluster_wide_input(resource_plan) -> None:
+    """On 4 nodes: a plan for 2 is refused (more nodes than cluster.num_nodes); a directory every node sees
+    passes the shared-directory check, which leaves nothing in it."""
+    import tempfile
+
+    import ray
+
+    from nemo_grpo.distributed import shared_storage
+    from nemo_grpo.distributed.shared_storage import check_shared_directory
+    from nemo_grpo.errors import UserInputError
+
+    two_nodes = resource_plan.plan_resources(_config("cluster.gpus_per_node=8", "cluster.num_nodes=2"))
+    try:
+        resource_plan.reserve(two_nodes)
+        raise AssertionError("reserved 2 of 4 nodes")
+    except UserInputError as e:
+        assert str(e).startswith("config key 'cluster.num_nodes': 2, but the Ray cluster has 4 alive nodes with "
+                                 "GPUs ("), e
+        assert str(e).endswith("): set cluster.num_nodes=4 or start Ray on 2 nodes"), e
+    with tempfile.TemporaryDirectory() as shared:  # the raylets share this machine's filesystem
+        check_shared_directory(shared, "checkpointing.checkpoint_dir")
+        assert os.listdir(shared) == []
+        nodes = [n for n in ray.nodes() if n["Alive"]]  # the probe answers on every node, both ways
+        assert set(shared_storage._ask_nodes(nodes, shared, 60).values()) == {True}
+        assert shared_storage._ask_nodes(nodes, os.path.join(shared, "absent"), 60) == {
+            n["NodeID"]: False for n in nodes}
 
 
 if __name__ == "__main__":

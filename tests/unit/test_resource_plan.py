@@ -147,3 +147,101 @@ def test_node_order_is_node_index_then_head_then_node_id():
     nodes[0]["Resources"]["node_index:0"] = 1.0
     nodes[1]["Resources"]["node_index:1"] = 1.0
     assert order_nodes(nodes) == ["cc", "aa", "ff"]  # node_index:<k> before the nodes without one
+
+
+# ----------------------------------------------------------------------------------------------- plan vs cluster
+def _host(name, ip, *resources, gpus=8, cpus=9.0, alive=True):
+    """A ray.nodes() record of host `name` at `ip`."""
+    return {"NodeID": f"id-{name}", "Alive": alive, "NodeManagerHostname": name, "NodeManagerAddress": ip,
+            "Resources": {"CPU": cpus, "GPU": float(gpus), **dict.fromkeys(resources, 1.0)}}
+
+
+TWO_NODES = ["cluster.gpus_per_node=8", "cluster.num_nodes=2"]
+
+
+def _capacity_error(plan, nodes, device="GPU") -> str:
+    from nemo_grpo.distributed.resource_plan import check_capacity
+
+    with pytest.raises(ConfigError) as info:  # a UserInputError: one line on stderr, exit 2
+        check_capacity(plan, nodes, device)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_the_plans_nodes_on_a_cluster_that_fits():
+    from nemo_grpo.distributed.resource_plan import check_capacity
+
+    plan = plan_resources(config(TWO_NODES))
+    nodes = [_host("n2", "10.0.0.2"), _host("n1", "10.0.0.1", "node:__internal_head__"),
+             _host("n3", "10.0.0.3", alive=False), _host("login", "10.0.0.9", gpus=0)]
+    assert plan.gpus_per_node == 8
+    assert check_capacity(plan, nodes) == ["id-n1", "id-n2"]  # no dead node, no node without GPUs
+    cpu_plan = plan_resources(config(["cluster.gpus_per_node=4", "cluster.num_nodes=1"]))
+    assert check_capacity(cpu_plan, [_host("laptop", "127.0.0.1", gpus=0, cpus=8.0)], "CPU") == ["id-laptop"]
+
+
+def test_fewer_nodes_than_cluster_num_nodes():
+    msg = _capacity_error(plan_resources(config(TWO_NODES)), [_host("n1", "10.0.0.1")])
+    assert msg == ("config key 'cluster.num_nodes': 2, but the Ray cluster has 1 alive node with GPUs "
+                   "(n1 (10.0.0.1)): set cluster.num_nodes=1 or start Ray on 2 nodes")
+
+
+def test_more_nodes_than_cluster_num_nodes():
+    nodes = [_host("n1", "10.0.0.1"), _host("n2", "10.0.0.2"), _host("n3", "10.0.0.3")]
+    msg = _capacity_error(plan_resources(config(TWO_NODES)), nodes)
+    assert msg == ("config key 'cluster.num_nodes': 2, but the Ray cluster has 3 alive nodes with GPUs "
+                   "(n1 (10.0.0.1), n2 (10.0.0.2), n3 (10.0.0.3)): set cluster.num_nodes=3 or start Ray on 2 nodes")
+
+
+def test_a_node_with_fewer_gpus_than_cluster_gpus_per_node():
+    nodes = [_host("n1", "10.0.0.1", "node_index:0"), _host("n2", "10.0.0.2", "node_index:1", gpus=4)]
+    msg = _capacity_error(plan_resources(config(TWO_NODES)), nodes)
+    assert msg == ("config key 'cluster.gpus_per_node': 8, but planned node 1, n2 (10.0.0.2), has 4 GPUs: set "
+                   "cluster.gpus_per_node=4 or start Ray with 8 GPUs on every node")
+
+
+def test_a_reward_model_node_short_of_devices_is_named_by_cluster_gpus_per_node():
+    # the reward model uses 4 of its node's devices; the node must still have cluster.gpus_per_node of them
+    plan = plan_resources(config(TWO_NODES, ["env.reward_model.resources.num_nodes=1",
+                                             "env.reward_model.resources.gpus_per_node=4"]))
+    msg = _capacity_error(plan, [_host("n1", "10.0.0.1", "node_index:0"), _host("n2", "10.0.0.2", gpus=4)])
+    assert msg.startswith("config key 'cluster.gpus_per_node': 8, but planned node 1, n2 (10.0.0.2), has 4 GPUs")
+
+
+def test_a_cpu_only_node_with_fewer_cpu_slots_than_ranks():
+    plan = plan_resources(config(["cluster.gpus_per_node=16", "cluster.num_nodes=1"]))
+    msg = _capacity_error(plan, [_host("laptop", "127.0.0.1", gpus=0, cpus=8.0)], "CPU")
+    assert msg == ("config key 'cluster.gpus_per_node': 16, but planned node 0, laptop (127.0.0.1), has 8 CPUs: "
+                   "set cluster.gpus_per_node=8 or start Ray with 16 CPUs on every node (ray start --num-cpus=16: "
+                   "on a CPU-only cluster each rank takes a CPU slot)")
+
+
+def test_node_names():
+    from nemo_grpo.distributed.resource_plan import node_name
+
+    assert node_name(_host("n1", "10.0.0.1")) == "n1 (10.0.0.1)"
+    assert node_name(_host("127.0.0.1", "127.0.0.1")) == "127.0.0.1"
+    assert node_name({"NodeID": "ab12"}) == "ab12"
+
+
+# ----------------------------------------------------------------------------------------------- shared directory
+def test_nodes_that_cannot_see_the_directory_and_nodes_that_did_not_answer():
+    from nemo_grpo.distributed.shared_storage import blind_nodes
+
+    nodes = [_host("n1", "10.0.0.1"), _host("n2", "10.0.0.2"), _host("n3", "10.0.0.3"), _host("n4", "10.0.0.4"),
+             _host("n5", "10.0.0.5", alive=False)]
+    blind, silent = blind_nodes(nodes, {"id-n1": True, "id-n2": False, "id-n3": None})
+    assert [n["NodeID"] for n in blind] == ["id-n2"]
+    assert [n["NodeID"] for n in silent] == ["id-n3", "id-n4"]  # failed, or absent; the dead node is not asked
+    assert blind_nodes(nodes[:2], {"id-n1": True, "id-n2": True}) == ([], [])
+
+
+def test_the_unshared_directory_message():
+    from nemo_grpo.distributed.shared_storage import unshared_directory_message
+
+    msg = unshared_directory_message("checkpointing.checkpoint_dir", "/tmp/ckpt",
+                                     [_host("n2", "10.0.0.2"), _host("n3", "10.0.0.3")], 3)
+    assert msg == ("config key 'checkpointing.checkpoint_dir': /tmp/ckpt is not visible from 2 of the Ray "
+                   "cluster's 3 nodes (n2 (10.0.0.2), n3 (10.0.0.3)): every node writes and reads it, so it must be "
+                   "a directory on a filesystem shared by every node (e.g. under a network home or project "
+                   "directory), not a node's own disk such as /tmp")
