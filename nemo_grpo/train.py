@@ -6,6 +6,8 @@ With no argument it runs the tiny CPU recipe (configs/grpo_tiny_cpu.yaml's defau
 single-digit addition in a few minutes on a laptop. The console shows our own progress; third-party output
 goes to <logger.log_dir>/run.log and Ray's session logs unless --verbose. Bad input (config, data, output
 directories) is one line on stderr and exit status 2; a finished run prints one summary line on stdout.
+SIGUSR1 (Slurm's `--signal=B:USR1@120` before a time limit) checkpoints the step under way and exits 0; on a
+multi-node Ray cluster a lost node ends the run with one line and exit status 3 (distributed/node_watch.py).
 """
 
 from __future__ import annotations

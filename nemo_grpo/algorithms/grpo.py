@@ -5,6 +5,10 @@ grpo.max_num_steps (or until the prompts have been seen grpo.max_num_epochs time
 steps and checkpointing every save_period steps; a run started with checkpoints in checkpointing.checkpoint_dir
 continues from the newest exactly (prompt order, sampling seeds, weights, optimizer and RNG state). `summary()`
 is the one line a finished run ends with.
+
+While `run()` runs, SIGUSR1 (utils/stop_signal.py: Slurm's warning before a time limit) ends it at the next step
+boundary with a checkpoint of that step, and on a multi-node Ray cluster a lost node ends the process
+(distributed/node_watch.py, exit 3) instead of leaving it to hang in the surviving ranks' collectives.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from nemo_grpo.algorithms.metrics import sample_metrics
 from nemo_grpo.algorithms.rollout import Sample, collate, prompt_text, response_text, run_rollouts
 from nemo_grpo.backends.batching import loss_mask
 from nemo_grpo.config import MasterConfig, to_yaml
+from nemo_grpo.distributed.node_watch import start_node_watch
 from nemo_grpo.distributed.resource_plan import release
 from nemo_grpo.models import lora
 from nemo_grpo.utils.checkpoint import POLICY_DIR
-from nemo_grpo.weights.refit import make_refitter
+from nemo_grpo.utils.stop_signal import StopSignal
 from nemo_grpo.utils.timer import Timer
+from nemo_grpo.weights.refit import make_refitter
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +117,8 @@ class GRPOTrainer:
         self.val_history: list[tuple[int, float]] = []  # (step, val accuracy) of this process's validations
         self.resumed_at: Optional[int] = None  # the step a resumed run started from
         self.last_checkpoint: Optional[str] = None  # the newest checkpoint written (or resumed from)
+        self.checkpoint_step: Optional[int] = None  # the step of last_checkpoint
+        self.stopped_on: Optional[str] = None  # the stop signal's name ("SIGUSR1") when one ended run() early
         self.plot_path: Optional[str] = None  # the reward plot, once close() drew it
 
     # ------------------------------------------------------------------------------------------ rollouts
@@ -361,6 +369,7 @@ class GRPOTrainer:
         tmp = self.checkpointer.init_tmp_checkpoint(self.state.step, info, to_yaml(self.cfg))
         self.policy.save_checkpoint(os.path.join(tmp, POLICY_DIR))
         self.last_checkpoint = self.checkpointer.finalize_checkpoint(tmp)
+        self.checkpoint_step = self.state.step
         if self.collector is not None:
             log.info("checkpoint at step %d: rollouts in flight (%d step(s) done, and any under way) are not saved; "
                      "a run resumed from it draws their prompts again and generates them with its weights",
@@ -381,7 +390,7 @@ class GRPOTrainer:
                                val_metrics={k[len("val:"):]: v for k, v in info.get("metrics", {}).items()})
         self.loader.load_state_dict(info["loader"])
         self.refit()
-        self.resumed_at, self.last_checkpoint = self.state.step, path
+        self.resumed_at, self.last_checkpoint, self.checkpoint_step = self.state.step, path, self.state.step
         log.info("resumed from %s at step %d", path, self.state.step)
         return path
 
@@ -392,6 +401,35 @@ class GRPOTrainer:
         return self.loader.epochs_done_at(self.state.loader) >= self.cfg.grpo.max_num_epochs
 
     def run(self) -> list[dict[str, float]]:
+        """Train to grpo.max_num_steps (or max_num_epochs), or to the step boundary after a stop signal;
+        returns this process's per-step metrics."""
+        g = self.cfg.grpo
+        watch = start_node_watch(self._progress)  # None on a single node
+        try:
+            with StopSignal() as stop:
+                self._start()
+                while self.state.step < g.max_num_steps and not self._epochs_done():
+                    if stop.received is not None:
+                        self._stop_on_signal(stop)
+                        break
+                    self._run_step()
+        except BaseException:
+            if watch is not None:  # an error from a lost node ends the process with the node's line, exit 3
+                watch.settle()
+            raise
+        finally:
+            if watch is not None:
+                watch.stop()
+            if self.collector is not None:
+                self.collector.stop()
+                self.collector = None
+        if self.stopped_on is None and self.state.step < g.max_num_steps:
+            log.info("stopped at step %d of %d: the training prompts were seen %d times (grpo.max_num_epochs)",
+                     self.state.step, g.max_num_steps, self.loader.epochs_done_at(self.state.loader))
+        return self.history
+
+    def _start(self) -> None:
+        """Resume, validate at step 0, start the progress display and (async GRPO) the rollout collector."""
         g = self.cfg.grpo
         self.maybe_resume()
         if g.val_at_start and self.state.step == 0 and self.val_datums:
@@ -401,17 +439,25 @@ class GRPOTrainer:
             self.collector = RolloutCollector(self.collect, self.state.step + 1, g.async_grpo.max_trajectory_age_steps,
                                               version=self.state.step, last_step=g.max_num_steps)
             self.collector.start()
-        try:
-            while self.state.step < g.max_num_steps and not self._epochs_done():
-                self._run_step()
-        finally:
-            if self.collector is not None:
-                self.collector.stop()
-                self.collector = None
-        if self.state.step < g.max_num_steps:
-            log.info("stopped at step %d of %d: the training prompts were seen %d times (grpo.max_num_epochs)",
-                     self.state.step, g.max_num_steps, self.loader.epochs_done_at(self.state.loader))
-        return self.history
+
+    def _progress(self) -> tuple[int, Optional[str]]:
+        """(the step under way, the newest complete checkpoint or None): what the node watch reports."""
+        return self.state.step + 1, _short(self.last_checkpoint) if self.last_checkpoint else None
+
+    def _stop_on_signal(self, stop: StopSignal) -> None:
+        """At the step boundary after a stop signal: a checkpoint of the step (unless it has one already) and
+        one log line; run() then returns."""
+        step, ck = self.state.step, self.cfg.checkpointing
+        self.stopped_on = stop.name
+        head = f"received {stop.name} ({stop.meaning})"
+        tail = f"stopping before step {step + 1} of {self.cfg.grpo.max_num_steps}"
+        if not ck.enabled:
+            log.warning("%s: no checkpoint could be saved (checkpointing.enabled=false); %s", head, tail)
+        elif step == 0:
+            log.info("%s: no step done, nothing to checkpoint; %s", head, tail)
+        else:
+            path = self.last_checkpoint if self.checkpoint_step == step else self.save()
+            log.info("%s: checkpoint at step %d saved to %s; %s", head, step, _short(path), tail)
 
     def _run_step(self) -> None:
         """One step with its logging, validation and checkpoint."""
@@ -440,6 +486,8 @@ class GRPOTrainer:
         head = f"done: {self.state.step} steps"
         if self.resumed_at is not None:
             head += f" (resumed at step {self.resumed_at})"
+        if self.stopped_on is not None:
+            head += f" (stopped on {self.stopped_on} at step {self.state.step} of {self.cfg.grpo.max_num_steps})"
         parts = [head]
         if self.history:
             parts.append(f"reward {self.history[0]['reward']:.2f} -> {self.history[-1]['reward']:.2f}")

@@ -1,7 +1,8 @@
 """`kill -9` of a training run's driver: nothing the run started outlives it, and a rerun resumes from the newest
 checkpoint. The run's processes are its session (the driver leads a new one; Ray's daemons, the workers and the
 agents inherit it) and every descendant seen while it ran (the reaper and sandboxes start sessions of their own).
-Nor does a local cluster that failed to start leave its processes behind."""
+Nor does a local cluster that failed to start leave its processes behind. SIGUSR1 (Slurm's warning before a time
+limit) is the gentle stop: the run checkpoints at the next step boundary and exits 0."""
 
 import json
 import os
@@ -14,13 +15,16 @@ import time
 import psutil
 import pytest
 from ray._common.utils import get_default_ray_temp_dir
-from train_runs import ROOT, builtin_model_cache, summary  # noqa: F401 (autouse fixture)
+from train_runs import ROOT, builtin_model_cache, start_train, summary  # noqa: F401 (autouse fixture)
+
+from nemo_grpo.utils.checkpoint import checkpoint_problem
 
 # the cheapest run that trains, checkpoints and resumes: one policy rank, the torch engine, no validation
 CHEAP = ["logger.progress_bar=false", "grpo.num_prompts_per_step=8", "policy.train_global_batch_size=64",
          "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.save_period=1",
          "policy.generation.backend=torch", "cluster.gpus_per_node=1", "env.math.num_workers=1"]
 GONE_WITHIN_S = 10.0
+STOPPED_WITHIN_S = 180  # SIGUSR1 -> exit 0: the rest of a step, a checkpoint and the shutdown, on 2 busy cores
 
 
 def run_processes(driver: int, seen: dict) -> dict:
@@ -123,6 +127,43 @@ def test_a_killed_driver_leaves_nothing_behind_and_the_rerun_resumes(tmp_path):
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     done = summary(rerun)
     assert (done["steps"], done["resumed_at"]) == (str(newest + 1), str(newest)), done
+
+
+def logged_steps(tmp_path) -> list[int]:
+    """The steps whose train metrics the run has logged so far (complete lines of logs/metrics.jsonl)."""
+    path = tmp_path / "logs" / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    return [row["step"] for row in map(json.loads, (line for line in lines if line.endswith("\n")))
+            if row["prefix"] == "train"]
+
+
+@pytest.mark.slow
+def test_sigusr1_checkpoints_the_step_under_way_and_exits_0(tmp_path):
+    """SIGUSR1 after step 2: the step under way ends with a complete checkpoint though save_period is not reached,
+    the run exits 0 within STOPPED_WITHIN_S saying why it stopped, and the same command resumes there."""
+    once = [o for o in CHEAP if not o.startswith("checkpointing.save_period=")] + ["checkpointing.save_period=100"]
+    run = start_train(tmp_path, *once, "grpo.max_num_steps=40")
+    try:
+        deadline = time.monotonic() + 900  # a cold built-in model cache is built first
+        while not any(step >= 2 for step in logged_steps(tmp_path)):
+            assert run.proc.poll() is None and time.monotonic() < deadline, \
+                "no step 2:\n" + (tmp_path / "stderr.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        run.proc.send_signal(signal.SIGUSR1)
+        first = run.wait(timeout=STOPPED_WITHIN_S)
+    finally:
+        run.kill()
+    done = summary(first)
+    stopped = int(done["steps"])
+    assert (done["stopped_on"], done["stopped_at"], done["max_steps"]) == ("SIGUSR1", str(stopped), "40"), done
+    assert 2 <= stopped < 40 and checkpoints(tmp_path / "ckpt") == [stopped]
+    assert checkpoint_problem(str(tmp_path / "ckpt" / f"step_{stopped}")) is None
+    assert (f"received SIGUSR1 (a time limit): checkpoint at step {stopped} saved to " in first.stderr
+            and f"stopping before step {stopped + 1} of 40" in first.stderr), first.stderr[-3000:]
+
+    rerun = start_train(tmp_path, *once, f"grpo.max_num_steps={stopped + 2}").wait(timeout=600)
+    done = summary(rerun)
+    assert (done["steps"], done["resumed_at"], done["stopped_on"]) == (str(stopped + 2), str(stopped), None), done
 
 
 # A driver whose local cluster misses Ray's start-up wait (ray/_private/node.py raises when the raylet has not

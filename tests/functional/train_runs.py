@@ -123,6 +123,7 @@ def read_metrics(log_dir, prefix):
 
 # the line a finished `python -m nemo_grpo.train` prints last on stdout (GRPOTrainer.summary)
 SUMMARY = re.compile(r"done: (?P<steps>\d+) steps(?: \(resumed at step (?P<resumed_at>\d+)\))?"
+                     r"(?: \(stopped on (?P<stopped_on>\w+) at step (?P<stopped_at>\d+) of (?P<max_steps>\d+)\))?"
                      r"(?: \| reward (?P<first>[\d.]+) -> (?P<last>[\d.]+))?"
                      r"(?: \| best val:accuracy (?P<best>[\d.]+) at step (?P<best_step>\d+))?"
                      r" \| checkpoint (?P<checkpoint>\S+)(?: \([^)]*\))?(?: \| plot (?P<plot>\S+))?")

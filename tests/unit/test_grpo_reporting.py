@@ -1,7 +1,10 @@
 """What the trainer reports, without a cluster: environment metrics per task (each environment sees only the
-samples of its own task), the validation samples it prints, the run's summary line, and the epoch limit."""
+samples of its own task), the validation samples it prints, the run's summary line, the epoch limit and the
+stop on SIGUSR1."""
 
 import dataclasses
+import os
+import signal
 
 import pytest
 
@@ -57,6 +60,7 @@ def bare_trainer(**cfg_changes) -> GRPOTrainer:
     trainer.cfg, trainer.state, trainer.timer = cfg, GRPOState(), Timer()
     trainer.history, trainer.val_history = [], []
     trainer.resumed_at = trainer.last_checkpoint = trainer.plot_path = trainer.collector = None
+    trainer.checkpoint_step = trainer.stopped_on = None
     trainer._gather = lambda results: results  # FakeEnv's .remote returns the result itself
     trainer.task_to_env = {"math": FakeEnv("math")}
     return trainer
@@ -171,25 +175,73 @@ class Recorder:
         return lambda *args, **kwargs: self.calls.append(name)
 
 
-@pytest.mark.parametrize("max_num_epochs, steps", [(1, 4), (2, 7), (1000, 10)])
-def test_run_stops_after_max_num_epochs(max_num_epochs, steps):
-    """10 prompts, 3 per step: epoch 1 ends inside step 4, epoch 2 inside step 7; grpo.max_num_steps is 10."""
+def looping_trainer(max_num_epochs: int = 1000, save_period: int = 100, enabled: bool = True,
+                    on_step=lambda step: None):
+    """A trainer whose train_step only draws prompts (10 prompts, 3 per step, grpo.max_num_steps 10) and calls
+    on_step(step); its save() records the step in `trainer.saved` as the real one marks the checkpoint."""
     trainer = bare_trainer(grpo={"max_num_epochs": max_num_epochs, "max_num_steps": 10, "val_at_start": False,
                                  "val_period": 0, "val_at_end": False, "num_prompts_per_step": 3},
-                           checkpointing={"save_period": 100, "enabled": True, "resume": False})
+                           checkpointing={"save_period": save_period, "enabled": enabled, "resume": False})
     datums = [Datum(message_log=[], prompt_ids=[1], extra_env_info={}, task_name="math", idx=i) for i in range(10)]
     trainer.loader, trainer.logger, trainer.val_datums = PromptLoader(datums, 3, seed=0), Recorder(), []
-    saved = []
-    trainer.save = lambda: saved.append(trainer.state.step)
+    trainer.saved = []
+
+    def save():
+        trainer.saved.append(trainer.state.step)
+        trainer.last_checkpoint, trainer.checkpoint_step = f"/ckpt/step_{trainer.state.step}", trainer.state.step
+        return trainer.last_checkpoint
 
     def train_step():
         trainer.loader.next_batch()
         trainer.state.step += 1
         trainer.state.loader = trainer.loader.state_dict()
+        on_step(trainer.state.step)
         return {"reward": 0.5}
 
-    trainer.train_step = train_step
+    trainer.save, trainer.train_step = save, train_step
+    return trainer
+
+
+@pytest.mark.parametrize("max_num_epochs, steps", [(1, 4), (2, 7), (1000, 10)])
+def test_run_stops_after_max_num_epochs(max_num_epochs, steps):
+    """10 prompts, 3 per step: epoch 1 ends inside step 4, epoch 2 inside step 7; grpo.max_num_steps is 10."""
+    trainer = looping_trainer(max_num_epochs)
     history = trainer.run()
     assert len(history) == steps == trainer.state.step
-    assert saved == [steps]  # the last step checkpoints, as at max_num_steps
+    assert trainer.saved == [steps]  # the last step checkpoints, as at max_num_steps
     assert trainer.summary().startswith(f"done: {steps} steps | reward 0.50 -> 0.50")
+
+
+def sigusr1_at(at: int):
+    """on_step for looping_trainer: SIGUSR1 to this process while step `at` runs."""
+    return lambda step: os.kill(os.getpid(), signal.SIGUSR1) if step == at else None
+
+
+@pytest.mark.parametrize("save_period, saved", [(100, [3]), (3, [3]), (2, [2, 3])])
+def test_sigusr1_ends_the_run_at_the_step_boundary_with_its_checkpoint(save_period, saved, caplog):
+    """The step under way finishes and checkpoints once (save_period or not), the loop ends, and the previous
+    SIGUSR1 handler is back."""
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        trainer = looping_trainer(save_period=save_period, on_step=sigusr1_at(3))
+        with caplog.at_level("INFO", logger="nemo_grpo"):
+            history = trainer.run()
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert len(history) == 3 == trainer.state.step and trainer.saved == saved
+    assert ("received SIGUSR1 (a time limit): checkpoint at step 3 saved to /ckpt/step_3; stopping before step 4 "
+            "of 10") in caplog.messages
+    assert not any("max_num_epochs" in m for m in caplog.messages)
+    assert trainer.summary() == ("done: 3 steps (stopped on SIGUSR1 at step 3 of 10) | reward 0.50 -> 0.50 | "
+                                 "checkpoint /ckpt/step_3")
+
+
+def test_sigusr1_without_checkpointing_still_stops(caplog):
+    trainer = looping_trainer(enabled=False, on_step=sigusr1_at(2))
+    with caplog.at_level("INFO", logger="nemo_grpo"):
+        trainer.run()
+    assert trainer.state.step == 2 and trainer.saved == []
+    assert ("received SIGUSR1 (a time limit): no checkpoint could be saved (checkpointing.enabled=false); stopping "
+            "before step 3 of 10") in caplog.messages
+    assert trainer.summary().startswith("done: 2 steps (stopped on SIGUSR1 at step 2 of 10) | ")
