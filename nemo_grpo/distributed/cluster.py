@@ -53,7 +53,11 @@ def init_ray(num_cpus: int | None = None, address: str | None = None, log_to_dri
         context = ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver,
                            configure_logging=False)
     else:
-        context = start_local_cluster(num_cpus=max(num_cpus or 0, os.cpu_count() or 1, 8), include_dashboard=False,
+        # address="local": a new cluster of our own. Without it ray.init joins a cluster it finds running on this
+        # machine (`ray start`'s record in /tmp/ray, or a gcs_server in the process table: another run's, or
+        # another network namespace's) and then fails on num_cpus
+        context = start_local_cluster(address="local", num_cpus=max(num_cpus or 0, os.cpu_count() or 1, 8),
+                                      include_dashboard=False,
                                       _node_ip_address="127.0.0.1", runtime_env=runtime_env,
                                       log_to_driver=log_to_driver, configure_logging=False)
     session = getattr(context, "address_info", {}).get("session_dir")
