@@ -54,7 +54,8 @@ def fake_slurm(tmp_path):
 def launch(fake_dir, command: str, **env) -> tuple[subprocess.CompletedProcess, str]:
     full_env = dict(os.environ, PATH=f"{fake_dir}/bin:{os.environ['PATH']}", FAKE_DIR=str(fake_dir),
                     SLURM_JOB_NODELIST="n1,n2,n3", COMMAND=command, GPUS_PER_NODE="8", CPUS_PER_NODE="16",
-                    JOIN_TIMEOUT_S="20", POLL_S="0.2", **env)
+                    JOIN_TIMEOUT_S="20", POLL_S="0.2",
+                    NODE_LOG_DIR=str(fake_dir / "node_logs"), **env)
     proc = subprocess.run(["bash", SCRIPT], env=full_env, capture_output=True, text=True, timeout=60)
     time.sleep(0.3)  # killed fake nodes unregister
     return proc, (fake_dir / "log").read_text()
@@ -75,10 +76,29 @@ def test_head_then_workers_then_the_command_then_teardown(fake_slurm):
 
 
 def test_a_failing_command_keeps_its_status_and_still_tears_down(fake_slurm):
-    proc, log = launch(fake_slurm, "exit 3")
+    proc, log = launch(fake_slurm, "exit 3", MAX_RESTARTS="0")
     assert proc.returncode == 3
     assert sum(line.startswith("ray stop") for line in log.splitlines()) == 3
     assert not os.listdir(fake_slurm / "nodes")
+
+
+def test_a_failed_command_runs_again_on_a_restarted_cluster_up_to_max_restarts(fake_slurm):
+    once = f"if [ -e {fake_slurm}/failed ]; then echo again >> {fake_slurm}/ran; else touch {fake_slurm}/failed; exit 3; fi"
+    proc, log = launch(fake_slurm, once)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (fake_slurm / "ran").read_text() == "again\n"
+    assert "restart 1 of 1" in proc.stdout and "exited with status 3" in proc.stdout
+    starts = [line for line in log.splitlines() if line.startswith("ray start --head")]
+    assert len(starts) == 2  # Ray started anew before the second run
+    assert not os.listdir(fake_slurm / "nodes")
+
+    proc, _ = launch(fake_slurm, "exit 3", MAX_RESTARTS="2")  # still failing after the restarts: its status
+    assert proc.returncode == 3 and "restart 2 of 2" in proc.stdout and "restart 3" not in proc.stdout
+
+
+def test_bad_input_is_not_retried(fake_slurm):
+    proc, _ = launch(fake_slurm, "exit 2")
+    assert proc.returncode == 2 and "restart" not in proc.stdout
 
 
 def test_a_node_that_never_joins_fails_the_job_with_a_message(fake_slurm):
