@@ -2,6 +2,7 @@
 stand in for Slurm and the nodes (each "node" is a local process tree; a started Ray node registers a file)."""
 
 import os
+import signal
 import subprocess
 import time
 
@@ -83,7 +84,8 @@ def test_a_failing_command_keeps_its_status_and_still_tears_down(fake_slurm):
 
 
 def test_a_failed_command_runs_again_on_a_restarted_cluster_up_to_max_restarts(fake_slurm):
-    once = f"if [ -e {fake_slurm}/failed ]; then echo again >> {fake_slurm}/ran; else touch {fake_slurm}/failed; exit 3; fi"
+    once = (f"if [ -e {fake_slurm}/failed ]; then echo again >> {fake_slurm}/ran; "
+            f"else touch {fake_slurm}/failed; exit 3; fi")
     proc, log = launch(fake_slurm, once)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (fake_slurm / "ran").read_text() == "again\n"
@@ -120,3 +122,24 @@ def test_command_is_required(fake_slurm):
     proc = subprocess.run(["bash", SCRIPT], env=dict(os.environ, SLURM_JOB_NODELIST="n1"), capture_output=True,
                           text=True, timeout=30)
     assert proc.returncode != 0 and "set COMMAND" in proc.stderr
+
+
+def test_sigusr1_reaches_the_command_which_ends_the_job_with_its_own_status(fake_slurm):
+    """The time limit's signal (`--signal=B:USR1@T`, `scancel --signal=USR1 --batch`) goes to the batch shell:
+    it is forwarded to the command's srun (here the command itself) and the job is not restarted after it."""
+    ran = fake_slurm / "usr1"
+    command = (f"trap 'echo got >> {ran}; exit 0' USR1; echo started > {fake_slurm}/started; "
+               "sleep 20 >/dev/null 2>&1 & wait")
+    env = dict(os.environ, PATH=f"{fake_slurm}/bin:{os.environ['PATH']}", FAKE_DIR=str(fake_slurm),
+               SLURM_JOB_NODELIST="n1,n2", COMMAND=command, GPUS_PER_NODE="0", CPUS_PER_NODE="4", POLL_S="0.2",
+               NODE_LOG_DIR=str(fake_slurm / "node_logs"))
+    proc = subprocess.Popen(["bash", SCRIPT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (fake_slurm / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out + err
+    assert ran.read_text() == "got\n" and "SIGUSR1 (time limit)" in out and "restart" not in out
+    time.sleep(0.3)
+    assert not os.listdir(fake_slurm / "nodes")
