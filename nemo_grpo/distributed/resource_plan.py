@@ -17,11 +17,14 @@ with cluster.gpus_per_node devices (CPU slots on a CPU-only cluster), else a Con
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Optional
 
 from nemo_grpo.config import ClusterConfig, ConfigError, MasterConfig
+
+log = logging.getLogger(__name__)
 
 ROLES = ("policy", "generation", "reward_model")
 NODE_INDEX_RESOURCE_PREFIX = "node_index:"
@@ -279,6 +282,11 @@ def engine_node(plan: ResourcePlan, groups: dict):
 
     group = groups["policy"] if plan.colocated_generation else groups["generation"]
     node_id = ray.util.placement_group_table(group)["bundles_to_node_id"][0]
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) > 1:
+        where = next((node_name(n) for n in nodes if n["NodeID"] == node_id), node_id)
+        log.info("generation engine on %s (%s)", where, "colocated with policy rank 0" if plan.colocated_generation
+                 else "its own node")
     return NodeAffinitySchedulingStrategy(node_id, soft=False)
 
 
