@@ -2,11 +2,12 @@
 # make test        : set up .venv and run the whole test suite (what CI runs)
 # make test-quick  : the suite without the slow end-to-end runs
 # make test-unit   : tests/unit alone: no Ray, no vLLM, no subprocess, no process group (well under a minute)
+# make test-multinode : tests/multinode alone: a real Slurm cluster of namespaced nodes on this machine (root)
 # make setup-bench : .venv with the benchmarks' extras too (TRL for bench/grpo_vs_trl.py), through scripts/setup.sh
 PY := .venv/bin/python
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup setup-bench train test test-quick test-unit
+.PHONY: setup setup-bench train test test-quick test-unit test-multinode
 setup:
 	bash scripts/setup.sh
 
@@ -26,3 +27,6 @@ test-quick: setup
 
 test-unit: setup
 	$(PYTEST) tests/unit -q -rs
+
+test-multinode: setup
+	$(PYTEST) tests/multinode -v -rs --durations=10
