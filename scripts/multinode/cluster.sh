@@ -10,7 +10,8 @@
 # Node k (1..NODES) is the network namespace ngrpo-nK with hostname nK (its own UTS namespace) and its own mount
 # namespace, in which /tmp and /dev/shm are fresh tmpfs (Ray's session files and object store stay per node, as on
 # real machines) and /etc/hosts maps nK to 127.0.1.1 (as on many cluster nodes: the hostname resolves to loopback).
-# Everything else (the repo, the venv, $HOME) is the machine's own filesystem: the shared filesystem of a cluster.
+# Everything else (the repo, the venv, $HOME) is the machine's own filesystem: the shared filesystem of a cluster
+# (a repo checked out under /tmp is bound into each node's /tmp at the same path).
 # Two interfaces per node, each one end of a veth pair on a bridge that exists only inside this machine, with no
 # route out: eth0 10.77.0.1K on ngrpo-br0 (10.77.0.1, the cluster network: slurmctld, Ray), and eth1 10.78.0.1K on
 # ngrpo-br1 (a second network, so that nothing can pick "the" interface by chance).
@@ -27,6 +28,7 @@ NODE_CPUS="${NODE_CPUS:-1}"
 NET0=10.77.0 NET1=10.78.0
 BR0=ngrpo-br0 BR1=ngrpo-br1
 CTLD_HOST="$(hostname -s)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 ns() { echo "ngrpo-n$1"; }
 say() { echo "[multinode] $*"; }
@@ -111,10 +113,14 @@ node_network() {  # node_network K: the namespace, eth0 on BR0 and eth1 on BR1
 }
 
 start_slurmd() {  # start_slurmd K: slurmd in node K's network, UTS and mount namespaces
-  local k=$1
+  local k=$1 keep=""
+  # a checkout under /tmp (a CI clone) stays visible on the nodes: bound into their own /tmp at the same path
+  [[ "$REPO" == /tmp/* ]] && keep="$REPO"
   ip netns exec "$(ns "$k")" unshare --uts --mount --propagation private -- bash -c "
     hostname n$k
+    ${keep:+mkdir -p '$STATE_DIR/host-tmp'; mount --bind /tmp '$STATE_DIR/host-tmp'}
     mount -t tmpfs -o mode=1777 tmpfs /tmp
+    ${keep:+mkdir -p '$keep'; mount --bind '$STATE_DIR/host-tmp/${keep#/tmp/}' '$keep'}
     mount -t tmpfs -o mode=1777 tmpfs /dev/shm
     mount --bind '$STATE_DIR/hosts/n$k' /etc/hosts
     exec slurmd -f '$STATE_DIR/slurm.conf' -N n$k" </dev/null >>"$STATE_DIR/log/start.log" 2>&1
@@ -154,12 +160,13 @@ up() {
   say "up: $NODES node(s) $(sinfo -h -N -o '%N@%t' | tr '\n' ' ')(SLURM_CONF=$SLURM_CONF)"
 }
 
-kill_pidfile() {
-  local f=$1
+kill_pidfile() {  # end the process of a pid file (SIGTERM, then SIGKILL after 5 s); daemons remove their own file
+  local f=$1 pid i
   [[ -f "$f" ]] || return 0
-  kill "$(cat "$f")" 2>/dev/null || true
-  local i; for i in $(seq 1 50); do kill -0 "$(cat "$f")" 2>/dev/null || break; sleep 0.1; done
-  kill -9 "$(cat "$f")" 2>/dev/null || true
+  pid=$(cat "$f")
+  kill "$pid" 2>/dev/null || true
+  for i in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  kill -9 "$pid" 2>/dev/null || true
   rm -f "$f"
 }
 
