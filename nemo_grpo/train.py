@@ -18,6 +18,7 @@ import sys
 
 from nemo_grpo.config import TOP_LEVEL_SECTIONS
 from nemo_grpo.utils.cli import entry_point_parser, log_to_file, resolved_config, run_main
+from nemo_grpo.utils.stop_signal import StopSignal
 from nemo_grpo.validation import load_config
 
 log = logging.getLogger("nemo_grpo.train")
@@ -48,13 +49,14 @@ def train(args: argparse.Namespace) -> int:
     from nemo_grpo.utils.logger import prepare_log_dir
 
     log_file = log_to_file(prepare_log_dir(cfg.logger.log_dir), args.verbose)
-    trainer = build_trainer(cfg, log_to_driver=args.verbose)
-    if not args.verbose:
-        log.info("third-party log output: %s (--verbose shows it here)", log_file)
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
+    with StopSignal():  # a time-limit signal during start-up or close is kept for run(), not fatal
+        trainer = build_trainer(cfg, log_to_driver=args.verbose)
+        if not args.verbose:
+            log.info("third-party log output: %s (--verbose shows it here)", log_file)
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
     print(trainer.summary(), flush=True)
     return 0
 

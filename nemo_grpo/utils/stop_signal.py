@@ -19,7 +19,9 @@ STOP_SIGNALS = {signal.SIGUSR1: "a time limit"}
 class StopSignal:
     """`with StopSignal() as stop:` -- while inside, STOP_SIGNALS set `stop.received` (the signal number)
     instead of their usual effect; on exit the previous handlers are back. Python runs handlers in the main
-    thread only, so entered in any other thread it installs nothing (and `received` stays None)."""
+    thread only, so entered in any other thread it installs nothing (and `received` stays None). Entered inside
+    another StopSignal, it starts with what that one received (the entry point listens from the start: a signal
+    during the run's start-up stops it at its first step boundary)."""
 
     def __init__(self, signals: Optional[dict] = None):
         self.signals = STOP_SIGNALS if signals is None else signals
@@ -30,6 +32,9 @@ class StopSignal:
         if threading.current_thread() is threading.main_thread():
             for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
+                outer = getattr(self._previous[signum], "__self__", None)
+                if isinstance(outer, StopSignal) and outer.received is not None and self.received is None:
+                    self.received = outer.received  # came while an enclosing one listened (the run's start-up)
         return self
 
     def __exit__(self, *exc) -> None:

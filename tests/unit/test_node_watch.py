@@ -172,6 +172,21 @@ def test_sigusr1_sets_the_flag_and_the_previous_handler_comes_back():
         signal.signal(signal.SIGUSR1, previous)
 
 
+def test_a_signal_during_start_up_reaches_the_run_entered_after_it():
+    """train.py listens from the start: a signal before run() enters its own StopSignal is not lost."""
+    previous = signal.getsignal(signal.SIGUSR1)
+    with StopSignal() as start_up:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert wait_for(lambda: start_up.received is not None)
+        with StopSignal() as run:
+            assert run.received == signal.SIGUSR1
+        with StopSignal() as later:  # each run under the same listener sees it
+            assert later.received == signal.SIGUSR1
+    assert signal.getsignal(signal.SIGUSR1) == previous
+    with StopSignal() as fresh:
+        assert fresh.received is None
+
+
 def test_outside_the_main_thread_nothing_is_installed():
     before, seen = signal.getsignal(signal.SIGUSR1), []
 
