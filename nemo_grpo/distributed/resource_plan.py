@@ -276,11 +276,14 @@ def engine_node(plan: ResourcePlan, groups: dict):
     """A Ray scheduling strategy that pins the generation engine's actor to its planned node: policy rank 0's
     (colocated: the engine shares the policy's devices and reads its refit from that node's memory) or the
     first of generation's own (non-colocated). Node affinity, not a bundle: the engine's actor may ask for more
-    devices than one bundle holds (vLLM's tensor_parallel_size)."""
+    devices than one bundle holds (vLLM's tensor_parallel_size). None (Ray's choice) for a separate engine that
+    reserves no devices (policy.generation.colocated.resources unset)."""
     ray = _ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    group = groups["policy"] if plan.colocated_generation else groups["generation"]
+    group = groups["policy"] if plan.colocated_generation else groups.get("generation")
+    if group is None:  # a separate engine with no resources of its own (a CPU cluster): anywhere, as it asks nothing
+        return None
     node_id = ray.util.placement_group_table(group)["bundles_to_node_id"][0]
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) > 1:
