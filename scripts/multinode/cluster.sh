@@ -7,8 +7,8 @@
 #   sudo scripts/multinode/cluster.sh down        # stops all of it and removes the namespaces and the bridges
 #   scripts/multinode/cluster.sh check            # exit 0 where it can run (root, ip netns, unshare); else one line
 #
-# Node k (1..NODES) is the network namespace ngrpo-nK with hostname nK (its own UTS namespace) and its own mount
-# namespace, in which /tmp and /dev/shm are fresh tmpfs (Ray's session files and object store stay per node, as on
+# Node k (1..NODES) is the network namespace ngrpo-nK with hostname nK (its own UTS namespace), its own PID
+# namespace (it sees only its processes) and its own mount namespace, in which /tmp and /dev/shm are fresh tmpfs (Ray's session files and object store stay per node, as on
 # real machines) and /etc/hosts maps nK to 127.0.1.1 (as on many cluster nodes: the hostname resolves to loopback).
 # Everything else (the repo, the venv, $HOME) is the machine's own filesystem: the shared filesystem of a cluster
 # (a repo checked out under /tmp is bound into each node's /tmp at the same path).
@@ -112,18 +112,31 @@ node_network() {  # node_network K: the namespace, eth0 on BR0 and eth1 on BR1
   ip -n "$n" link set eth1 up
 }
 
-start_slurmd() {  # start_slurmd K: slurmd in node K's network, UTS and mount namespaces
+start_slurmd() {  # start_slurmd K: slurmd in node K's network, UTS, mount and PID namespaces
   local k=$1 keep=""
   # a checkout under /tmp (a CI clone) stays visible on the nodes: bound into their own /tmp at the same path
   [[ "$REPO" == /tmp/* ]] && keep="$REPO"
-  ip netns exec "$(ns "$k")" unshare --uts --mount --propagation private -- bash -c "
+  # PID namespace: a node sees only its own processes, as a machine does (`ray stop` there ends its node's Ray,
+  # not every Ray on this machine). Its PID 1 is a shell that keeps slurmd (in the foreground) and reaps orphans.
+  ip netns exec "$(ns "$k")" unshare --uts --mount --pid --fork --mount-proc --propagation private -- bash -c "
     hostname n$k
     ${keep:+mkdir -p '$STATE_DIR/host-tmp'; mount --bind /tmp '$STATE_DIR/host-tmp'}
     mount -t tmpfs -o mode=1777 tmpfs /tmp
     ${keep:+mkdir -p '$keep'; mount --bind '$STATE_DIR/host-tmp/${keep#/tmp/}' '$keep'}
     mount -t tmpfs -o mode=1777 tmpfs /dev/shm
     mount --bind '$STATE_DIR/hosts/n$k' /etc/hosts
-    exec slurmd -f '$STATE_DIR/slurm.conf' -N n$k" </dev/null >>"$STATE_DIR/log/start.log" 2>&1
+    slurmd -D -f '$STATE_DIR/slurm.conf' -N n$k &
+    wait" </dev/null >>"$STATE_DIR/log/start.log" 2>&1 &
+}
+
+node_daemons() {  # node_daemons K: host pids of node K's own processes: unshare, its init shell (PID 1), slurmd
+  local pid
+  for pid in $(ip netns pids "$(ns "$1")" 2>/dev/null); do
+    if [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" =~ ^(slurmd|unshare)$ ]] \
+        || [[ "$(awk '/^NSpid:/ {print $NF}' "/proc/$pid/status" 2>/dev/null)" == 1 ]]; then
+      echo "$pid"
+    fi
+  done
 }
 
 wait_idle() {  # every node idle in sinfo, or fail after 60 s
@@ -170,16 +183,16 @@ kill_pidfile() {  # end the process of a pid file (SIGTERM, then SIGKILL after 5
   rm -f "$f"
 }
 
-kill_namespace() {  # kill_namespace K [SPARE_PID]: SIGKILL every process in node K's network namespace but one
-  local k=$1 spare=${2:-} pid
+kill_namespace() {  # kill_namespace K [SPARE_PID...]: SIGKILL every process in node K's network namespace but these
+  local k=$1 pid; shift
   for pid in $(ip netns pids "$(ns "$k")" 2>/dev/null); do
-    [[ "$pid" == "$spare" ]] || kill -9 "$pid" 2>/dev/null || true
+    [[ " $* " == *" $pid "* ]] || kill -9 "$pid" 2>/dev/null || true
   done
 }
 
 kill_job_processes() {  # node K loses every process of its jobs (slurmstepd, Ray, workers); its slurmd lives on
   local k=$1
-  kill_namespace "$k" "$(cat "$STATE_DIR/spool/n$k.pid" 2>/dev/null || true)"
+  kill_namespace "$k" $(node_daemons "$k")
   say "node n$k: every process of its jobs killed"
 }
 
@@ -187,9 +200,10 @@ down() {
   export SLURM_CONF="$STATE_DIR/slurm.conf"
   local k
   for k in $(seq 1 "$NODES"); do
-    kill_pidfile "$STATE_DIR/spool/n$k.pid"
-    kill_namespace "$k"
+    kill $(node_daemons "$k") 2>/dev/null || true  # slurmd ends its steps; the node's init then exits
   done
+  sleep 1
+  for k in $(seq 1 "$NODES"); do kill_namespace "$k"; done
   kill_pidfile "$STATE_DIR/slurmctld.pid"
   kill_pidfile "$STATE_DIR/munged.pid"
   for k in $(seq 1 "$NODES"); do

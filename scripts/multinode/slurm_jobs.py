@@ -66,7 +66,10 @@ def cluster_command(*args: str, timeout: float = 600) -> subprocess.CompletedPro
 def submit_env(python_bin_dir: str) -> dict:
     """The environment a job is submitted with: this one, less Ray's and Slurm's variables, with SLURM_CONF, the
     venv first on PATH and a built-in model cache every node sees."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "SLURM_"))}
+    # *_SOCKET_IFNAME: a process group started in this process (a test's) set them to its own interface (lo);
+    # a job must find its nodes' own
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RAY_ADDRESS", "SLURM_")) and not k.endswith("_SOCKET_IFNAME")}
     env.update(SLURM_CONF=os.path.join(STATE_DIR, "slurm.conf"), NEMO_GRPO_CACHE=os.path.join(STATE_DIR, "cache"),
                PATH=f"{python_bin_dir}:{env['PATH']}", PYTHONUNBUFFERED="1")
     return env
@@ -87,14 +90,23 @@ def submit(cluster, name: str, command: str, *sbatch_args: str, nodes: int = 2, 
     return Job(out.strip().split(";")[0], job_dir, job_env)
 
 
+def _is_node_daemon(pid: str) -> bool:
+    """The node's own processes, which outlive jobs: unshare, its init (PID 1 of its PID namespace), slurmd."""
+    try:
+        if open(f"/proc/{pid}/comm").read().strip() in ("slurmd", "unshare"):
+            return True
+        ns_pids = next(line for line in open(f"/proc/{pid}/status") if line.startswith("NSpid:"))
+        return ns_pids.split()[-1] == "1"
+    except (OSError, StopIteration):  # ended meanwhile
+        return False
+
+
 def node_processes(cluster, node: int) -> list[str]:
-    """`pid command` of every process in node `node`'s namespace but its slurmd."""
-    state_dir, env = cluster
+    """`pid command` of every process in node `node`'s namespace but its init and slurmd."""
     ns_pids = subprocess.run(["ip", "netns", "pids", f"ngrpo-n{node}"], capture_output=True, text=True).stdout.split()
-    slurmd = open(os.path.join(state_dir, "spool", f"n{node}.pid")).read().strip()
     procs = []
     for pid in ns_pids:
-        if pid == slurmd:
+        if _is_node_daemon(pid):
             continue
         try:
             procs.append(f"{pid} " + open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:200])
