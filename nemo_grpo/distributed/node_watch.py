@@ -124,10 +124,7 @@ class NodeWatch:
         otherwise this returns and the error stands."""
         deadline = time.monotonic() + wait_s
         while not self._stopped.is_set():
-            try:
-                line = self.check()
-            except Exception:  # the GCS briefly out of reach
-                line = None
+            line = self._look()
             if line is not None:
                 self._end(line)
                 return
@@ -135,13 +132,17 @@ class NodeWatch:
                 return
             time.sleep(min(self.poll_s, max(deadline - time.monotonic(), 0.0)))
 
+    def _look(self) -> Optional[str]:
+        """check(), with a GCS briefly out of reach taken as no news (the caller looks again)."""
+        try:
+            return self.check()
+        except Exception:
+            log.debug("ray.nodes() failed; looking again in %.0f s", self.poll_s, exc_info=True)
+            return None
+
     def _watch(self) -> None:
         while not self._stopped.wait(self.poll_s):
-            try:
-                line = self.check()
-            except Exception:  # the GCS briefly out of reach: look again at the next poll
-                log.debug("ray.nodes() failed; trying again in %.0f s", self.poll_s, exc_info=True)
-                continue
+            line = self._look()
             if line is not None and not self._stopped.is_set():
                 self._end(line)
                 return
