@@ -16,10 +16,10 @@ from nemo_grpo.config import EvalMasterConfig, MasterConfig, read_config, to_dic
 from nemo_grpo.data.datasets import load_problems
 from nemo_grpo.data.prompts import PromptLoader, build_prompts, read_prompt_files
 from nemo_grpo.distributed.cluster import init_ray
-from nemo_grpo.distributed.resource_plan import engine_node, plan_resources, reserve
+from nemo_grpo.distributed.resource_plan import engine_replicas, plan_resources, reserve
 from nemo_grpo.distributed.shared_storage import check_shared_directory
 from nemo_grpo.envs import create_env
-from nemo_grpo.errors import DataError
+from nemo_grpo.errors import ConfigError, DataError
 from nemo_grpo.generation import make_generation_engine
 from nemo_grpo.models.builtin import resolve_model_path
 from nemo_grpo.models.files import check_model_dir
@@ -90,7 +90,7 @@ def start_actors(cfg: MasterConfig, model_path: str):
         with ThreadPoolExecutor(1) as pool:  # the engine's constructor waits for its workers: start it meanwhile
             engine = pool.submit(make_generation_engine, cfg.policy.generation, model_path, cfg.cluster,
                                  in_flight_updates=a.enabled and a.in_flight_weight_updates,
-                                 scheduling_strategy=engine_node(plan, groups))
+                                 replicas=engine_replicas(plan, groups))
             try:
                 started.policy = Policy(
                     cfg.policy, plan.placements["policy"].as_cluster(cfg.cluster.num_threads_per_worker), model_path,
@@ -163,6 +163,16 @@ def eval_problems(cfg: EvalMasterConfig) -> list:
     return problems
 
 
+def eval_replicas(cfg: EvalMasterConfig) -> int:
+    """Engine replicas of an evaluation: every device of the cluster / the engine's TP (Ray places them: each
+    asks for its TP devices on GPUs)."""
+    tp, c = cfg.policy.generation.vllm_cfg.tensor_parallel_size, cfg.cluster
+    if c.gpus_per_node % tp:
+        raise ConfigError(f"config key 'policy.generation.vllm_cfg.tensor_parallel_size': {tp} does not divide "
+                          f"cluster.gpus_per_node {c.gpus_per_node}: each engine replica runs on one node")
+    return c.num_nodes * c.gpus_per_node // tp
+
+
 def build_evaluator(cfg: EvalMasterConfig, *, log_to_driver: bool = True) -> Evaluator:
     """The Evaluator of a validated eval config. The data set is read first (its errors come before Ray starts);
     a checkpoint's step_N is exported to <eval.save_path>/model; then the environment and the engine start.
@@ -180,7 +190,8 @@ def build_evaluator(cfg: EvalMasterConfig, *, log_to_driver: bool = True) -> Eva
     datums, _ = build_prompts(problems, tokenizer, cfg.data, cfg.data.max_input_seq_length, "data")
     init_ray(log_to_driver=log_to_driver)
     envs = {cfg.data.env_name: create_env(cfg.data.env_name, getattr(cfg.env, cfg.data.env_name))}
-    engine = make_generation_engine(cfg.policy.generation, model_path, cfg.cluster)
+    engine = make_generation_engine(cfg.policy.generation, model_path, cfg.cluster,
+                                    replicas=(None,) * eval_replicas(cfg))
     ray.get([e.__ray_ready__.remote() for e in envs.values()])
     return Evaluator(cfg, tokenizer=tokenizer, engine=engine, envs=envs, datums=datums[: cfg.eval.max_num_prompts],
                      model_path=model_path)

@@ -6,6 +6,9 @@ env.reward_model.resources.gpus_per_node, non-colocated generation policy.genera
 Several nodes: the reward model and non-colocated generation get whole nodes of their own (their
 resources.num_nodes, using resources.gpus_per_node of each, default all); the other nodes train the policy.
 Node indices: the policy first (0..p-1, so policy rank 0 is on node 0), then generation, then the reward model.
+The generation engine runs as data-parallel replicas of policy.generation.vllm_cfg.tensor_parallel_size devices
+each, one replica per TP group of every generation device (colocated: the policy's; else generation's own), each
+replica within one node (`ResourcePlan.generation_replicas`).
 
 `reserve(plan)` makes one placement group per role, one bundle per device, each bundle pinned to its planned
 node with a per-bundle label selector on Ray's node-id label. The planned node index i is the i-th alive
@@ -68,6 +71,7 @@ class ResourcePlan:
     colocated_generation: bool = True
     num_nodes: int = 1
     gpus_per_node: int = 0  # cluster.gpus_per_node: devices each planned node must have (0: what its roles use)
+    generation_tp: int = 1  # policy.generation.vllm_cfg.tensor_parallel_size: the devices of one engine replica
 
     def placement_of(self, role: str) -> Placement:
         """The placement a role runs on (colocated generation: the policy's)."""
@@ -79,6 +83,15 @@ class ResourcePlan:
         """{role: devices the role uses on planned node `node`}."""
         return {role: p.gpus_per_node for role, p in self.placements.items() if node in p.nodes}
 
+    def generation_replicas(self) -> list[Optional[int]]:
+        """The planned node of each generation engine replica, node by node: gpus_per_node / generation_tp on
+        each node of generation's placement (colocated: the policy's); [None] (one replica, anywhere) for a
+        separate engine that reserves no devices."""
+        if not self.colocated_generation and "generation" not in self.placements:
+            return [None]
+        p = self.placement_of("generation")
+        return [node for node in p.nodes for _ in range(p.gpus_per_node // self.generation_tp)]
+
     def describe(self) -> str:
         lines = []
         for role in ROLES:
@@ -87,7 +100,17 @@ class ResourcePlan:
             p = self.placements[role]
             note = " (colocated with generation)" if role == "policy" and self.colocated_generation else ""
             lines.append(f"{role}: nodes {node_list(p.nodes)} x {p.gpus_per_node} GPUs = {p.world_size}{note}")
+        lines.append(self.describe_replicas())
         return "\n".join(lines)
+
+    def describe_replicas(self) -> str:
+        """One line: the engine replicas, their TP, and how many each node runs."""
+        replicas = self.generation_replicas()
+        if replicas == [None]:
+            return "generation engine: 1 replica, on an actor without devices (generation's resources unset)"
+        nodes = self.placement_of("generation").nodes
+        return (f"generation engine: {counted(len(replicas), 'replica')} of TP {self.generation_tp}, "
+                f"{len(replicas) // len(nodes)} per node on nodes {node_list(nodes)}")
 
 
 def node_list(nodes: tuple[int, ...]) -> str:
@@ -133,8 +156,25 @@ def plan_resources(cfg: MasterConfig) -> ResourcePlan:
         _positive(res.num_nodes, f"{key}.num_nodes")
     plan = _plan_one_node if c.num_nodes == 1 else _plan_nodes
     placements = plan(cfg, dedicated)
-    return ResourcePlan(placements=placements, colocated_generation=cfg.policy.generation.colocated.enabled,
-                        num_nodes=c.num_nodes, gpus_per_node=c.gpus_per_node)
+    resources = ResourcePlan(placements=placements, colocated_generation=cfg.policy.generation.colocated.enabled,
+                             num_nodes=c.num_nodes, gpus_per_node=c.gpus_per_node,
+                             generation_tp=cfg.policy.generation.vllm_cfg.tensor_parallel_size)
+    _check_replicas(resources)
+    return resources
+
+
+def _check_replicas(plan: ResourcePlan) -> None:
+    """Every engine replica within one node: the TP size divides the generation devices of each node."""
+    key = "policy.generation.vllm_cfg.tensor_parallel_size"
+    _positive(plan.generation_tp, key)  # (validation rejects it first; the plan does not rely on that)
+    if plan.generation_replicas() == [None]:
+        return
+    tp, p = plan.generation_tp, plan.placement_of("generation")
+    if p.gpus_per_node % tp:
+        where = "the policy's (colocated generation)" if plan.colocated_generation else "generation's own"
+        _fail(key, f"{tp} does not divide the {p.gpus_per_node} devices per node of {where}: each engine "
+                   f"replica runs on one node, {p.gpus_per_node} / {tp} replicas per node; use a divisor of "
+                   f"{p.gpus_per_node}")
 
 
 def _plan_one_node(cfg: MasterConfig, dedicated) -> dict[str, Placement]:
@@ -217,7 +257,8 @@ def node_name(node: dict) -> str:
     return host or ip or node["NodeID"]
 
 
-def _count(n: float, noun: str) -> str:
+def counted(n: float, noun: str) -> str:
+    """'1 node', '3 nodes'."""
     return f"{n:g} {noun}" if n == 1 else f"{n:g} {noun}s"
 
 
@@ -230,8 +271,8 @@ def check_capacity(plan: ResourcePlan, nodes: list[dict], device: str = "GPU") -
     if len(node_ids) != plan.num_nodes:
         names = ", ".join(node_name(by_id[i]) for i in node_ids) or "none"
         raise ConfigError(f"config key 'cluster.num_nodes': {plan.num_nodes}, but the Ray cluster has "
-                          f"{_count(len(node_ids), 'alive node')} with {device}s ({names}): set "
-                          f"cluster.num_nodes={len(node_ids)} or start Ray on {_count(plan.num_nodes, 'node')}")
+                          f"{counted(len(node_ids), 'alive node')} with {device}s ({names}): set "
+                          f"cluster.num_nodes={len(node_ids)} or start Ray on {counted(plan.num_nodes, 'node')}")
     for index, node_id in enumerate(node_ids):
         need = max(plan.gpus_per_node, sum(plan.gpus_on_node(index).values()))
         have = by_id[node_id]["Resources"].get(device, 0)
@@ -240,7 +281,7 @@ def check_capacity(plan: ResourcePlan, nodes: list[dict], device: str = "GPU") -
                       f"start Ray with {need} CPUs on every node (ray start --num-cpus={need}: on a CPU-only "
                       "cluster each rank takes a CPU slot)")
             raise ConfigError(f"config key 'cluster.gpus_per_node': {need}, but planned node {index}, "
-                              f"{node_name(by_id[node_id])}, has {_count(have, device)}: set "
+                              f"{node_name(by_id[node_id])}, has {counted(have, device)}: set "
                               f"cluster.gpus_per_node={int(have)} or {remedy}")
     return node_ids
 
@@ -272,25 +313,26 @@ def reserve(plan: ResourcePlan, cpu_only: Optional[bool] = None,
     return groups
 
 
-def engine_node(plan: ResourcePlan, groups: dict):
-    """A Ray scheduling strategy that pins the generation engine's actor to its planned node: policy rank 0's
-    (colocated: the engine shares the policy's devices and reads its refit from that node's memory) or the
-    first of generation's own (non-colocated). Node affinity, not a bundle: the engine's actor may ask for more
-    devices than one bundle holds (vLLM's tensor_parallel_size). None (Ray's choice) for a separate engine that
-    reserves no devices (policy.generation.colocated.resources unset)."""
+def engine_replicas(plan: ResourcePlan, groups: dict) -> list:
+    """A Ray scheduling strategy per generation engine replica (`plan.generation_replicas()`), pinning it to its
+    planned node: the node of generation's placement group (colocated: the policy's; the replicas share its
+    devices and read each refit from their node's memory). Node affinity, not a bundle: a replica may ask for
+    more devices than one bundle holds (vLLM's tensor_parallel_size). [None] (Ray's choice) for a separate engine
+    that reserves no devices (policy.generation.colocated.resources unset)."""
     ray = _ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    replicas = plan.generation_replicas()
     group = groups["policy"] if plan.colocated_generation else groups.get("generation")
-    if group is None:  # a separate engine with no resources of its own (a CPU cluster): anywhere, as it asks nothing
-        return None
-    node_id = ray.util.placement_group_table(group)["bundles_to_node_id"][0]
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if len(nodes) > 1:
-        where = next((node_name(n) for n in nodes if n["NodeID"] == node_id), node_id)
-        log.info("generation engine on %s (%s)", where, "colocated with policy rank 0" if plan.colocated_generation
-                 else "its own node")
-    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+    if group is None or replicas == [None]:  # a separate engine asking for nothing: anywhere
+        return [None]
+    bundle_nodes = plan.placement_of("generation").bundle_nodes()
+    bundle_ids = ray.util.placement_group_table(group)["bundles_to_node_id"]
+    node_ids = {node: bundle_ids[bundle_nodes.index(node)] for node in set(replicas)}
+    names = {n["NodeID"]: node_name(n) for n in ray.nodes() if n.get("Alive")}
+    log.info("%s: %s", plan.describe_replicas(), ", ".join(
+        f"node {node} = {names.get(node_ids[node], node_ids[node])}" for node in sorted(node_ids)))
+    return [NodeAffinitySchedulingStrategy(node_ids[node], soft=False) for node in replicas]
 
 
 def release(groups: dict) -> None:

@@ -28,11 +28,12 @@ def vllm_available() -> bool:
 
 
 def make_generation_engine(cfg, model_path: str, cluster_cfg, *, in_flight_updates: bool = False,
-                           scheduling_strategy=None):
+                           replicas=(None,)):
     """The engine named by policy.generation.backend (vllm falls back to torch, with a notice, where vLLM is
     not installed). in_flight_updates: a refit may land between two forward steps of a generate call under way
     (grpo.async_grpo.in_flight_weight_updates; the engine's actor then runs two calls at once).
-    scheduling_strategy: where Ray places the engine's actor (build.engine_node: its planned node); None: anywhere."""
+    replicas: where Ray places each replica's actor, one scheduling strategy each (resource_plan.engine_replicas:
+    the planned nodes); (None,): one replica, anywhere."""
     name = cfg.backend
     if name in OPTIONAL and importlib.util.find_spec(OPTIONAL[name][0]) is None:
         fallback = OPTIONAL[name][1]
@@ -40,4 +41,4 @@ def make_generation_engine(cfg, model_path: str, cluster_cfg, *, in_flight_updat
                     OPTIONAL[name][0], fallback)
         name = fallback
     return load_registered(ENGINES, name, "policy.generation.backend")(
-        cfg, model_path, cluster_cfg, in_flight_updates=in_flight_updates, scheduling_strategy=scheduling_strategy)
+        cfg, model_path, cluster_cfg, in_flight_updates=in_flight_updates, replicas=replicas)

@@ -15,7 +15,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput
+from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput, request_seed
 from nemo_grpo.models.experts import moe_routers
 from nemo_grpo.weights.receiver import WeightReceiver
 
@@ -86,9 +86,11 @@ class TorchGenerationWorker:
         tail = self.tokenizer.decode(tokens[-longest:], skip_special_tokens=False)
         return any(s in tail for s in stops)
 
-    def generate(self, prompts, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
+    def generate(self, prompts, greedy=False, seed=None, stop_strings=None, max_new_tokens=None, indices=None):
+        """One sample per prompt; `indices`: each prompt's place in the engine's call (its seed), default 0..B-1."""
         with self.weight_receiver.generation(), torch.no_grad():
-            return self._sample(prompts, greedy, seed, stop_strings, max_new_tokens)
+            return self._sample(prompts, greedy, seed, stop_strings, max_new_tokens,
+                                range(len(prompts)) if indices is None else indices)
 
     def _forward(self, **inputs):
         """One forward step of the sampling loop (a refit may land between two): (model output, the routes of the
@@ -101,11 +103,12 @@ class TorchGenerationWorker:
         b, s = inputs["input_ids"].shape
         return out, torch.stack(self.routes, dim=1).reshape(b, s, len(self.routes), -1).to(torch.int16)
 
-    def _sample(self, prompts, greedy, seed, stop_strings, max_new_tokens):
+    def _sample(self, prompts, greedy, seed, stop_strings, max_new_tokens, indices):
         cfg = self.cfg
         max_new = max_new_tokens or cfg.max_new_tokens
-        if seed is not None:
-            torch.manual_seed(seed)
+        # one generator per request: a row's draws do not depend on the other rows of the batch
+        generators = None if seed is None or greedy else [
+            torch.Generator().manual_seed(request_seed(seed, int(i))) for i in indices]
         stops = [list(cfg.stop_strings or []) + list((stop_strings or [None] * len(prompts))[i] or [])
                  for i in range(len(prompts))]
         B, P = len(prompts), max(len(p) for p in prompts)
@@ -125,7 +128,7 @@ class TorchGenerationWorker:
             if not greedy:
                 logits = filter_logits(logits / cfg.temperature, cfg.top_k, cfg.top_p)
             logp = torch.log_softmax(logits, -1)  # [B, V]
-            nxt = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1).squeeze(-1)
+            nxt = logp.argmax(-1) if greedy else draw(logp.exp(), generators)
             for i in torch.nonzero(~done).flatten().tolist():
                 tok = int(nxt[i])
                 tokens[i].append(tok)
@@ -147,6 +150,13 @@ class TorchGenerationWorker:
         return outputs
 
 
+def draw(probs: torch.Tensor, generators: Optional[list[torch.Generator]]) -> torch.Tensor:
+    """One token per row of [B, V] probs: [B]; row i from generators[i] (None: the global generator)."""
+    if generators is None:
+        return torch.multinomial(probs, 1).squeeze(-1)
+    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
+
+
 def _attach_routes(outputs: list[GenerationOutput], prompts: list[list[int]], routed: list[list[torch.Tensor]]
                    ) -> None:
     """Each output's routed_experts [len(prompt) + len(token_ids), L, k]: the routes of the positions its forwards
@@ -158,13 +168,15 @@ def _attach_routes(outputs: list[GenerationOutput], prompts: list[list[int]], ro
 
 
 class TorchGeneration(GenerationEngine):
-    """Driver-side front of one TorchGenerationWorker actor."""
+    """Driver-side front of TorchGenerationWorker actors, one per replica (`replicas`: a Ray scheduling strategy
+    each, resource_plan.engine_replicas; (None,): one replica, anywhere)."""
 
-    def __init__(self, cfg, model_path: str, cluster_cfg, *, in_flight_updates: bool = False,
-                 scheduling_strategy=None):
-        self.actor = ray.remote(TorchGenerationWorker).options(
-            num_cpus=0, max_concurrency=2 if in_flight_updates else 1, scheduling_strategy=scheduling_strategy).remote(
-            model_path, cfg, cluster_cfg.num_threads_per_worker, in_flight_updates)
+    def __init__(self, cfg, model_path: str, cluster_cfg, *, in_flight_updates: bool = False, replicas=(None,)):
+        self.cfg = cfg
+        worker = ray.remote(TorchGenerationWorker)
+        self.replicas = [worker.options(num_cpus=0, max_concurrency=2 if in_flight_updates else 1,
+                                        scheduling_strategy=strategy).remote(
+            model_path, cfg, cluster_cfg.num_threads_per_worker, in_flight_updates) for strategy in replicas]
 
-    def generate(self, prompts, *, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
-        return ray.get(self.actor.generate.remote(prompts, greedy, seed, stop_strings, max_new_tokens))
+    def _generate_on(self, replica, prompts, indices, greedy, seed, stop_strings, max_new_tokens):
+        return replica.generate.remote(prompts, greedy, seed, stop_strings, max_new_tokens, indices)

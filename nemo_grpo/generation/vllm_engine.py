@@ -39,7 +39,6 @@ In-flight weight updates (async GRPO): the actor runs two calls at once; `genera
 from __future__ import annotations
 
 import glob
-import hashlib
 import itertools
 import logging
 import os
@@ -52,7 +51,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from nemo_grpo.generation import vllm_available
-from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput
+from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput, request_seed
 from nemo_grpo.models.experts import fused_expert_names, unfuse_experts
 from nemo_grpo.weights.receiver import WeightReceiver
 
@@ -83,12 +82,6 @@ def _vllm() -> SimpleNamespace:
     return SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams, set_current_vllm_config=set_current_vllm_config,
                            initialize_layerwise_reload=initialize_layerwise_reload,
                            finalize_layerwise_reload=finalize_layerwise_reload, RequestOutputKind=RequestOutputKind)
-
-
-def request_seed(seed: int, index: int) -> int:
-    """A 63-bit seed for request `index` of a call made with `seed`: distinct per index, fixed per pair."""
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def sampling_kwargs(cfg, greedy: bool, max_new_tokens: Optional[int], extra_stops: Optional[list[str]]) -> dict:
@@ -187,8 +180,10 @@ class VllmGenerationWorker:
             self.llm.wake_up(tags=sorted(waking))
             self._asleep -= waking
 
-    def generate(self, prompts, cfg, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
-        """One sample per prompt (token-id lists) -> list[GenerationOutput]; sampling settings from `cfg`."""
+    def generate(self, prompts, cfg, greedy=False, seed=None, stop_strings=None, max_new_tokens=None,
+                 indices=None):
+        """One sample per prompt (token-id lists) -> list[GenerationOutput]; sampling settings from `cfg`;
+        `indices`: each prompt's place in the engine's call (its request seed), default 0..B-1."""
         if self._refit_loaded is not None and not self.in_flight_updates:  # (in-flight: steps wait for the refit)
             raise RuntimeError("generate called while a refit is open (finish_refit was not called)")
         if not prompts:
@@ -196,9 +191,10 @@ class VllmGenerationWorker:
         per_prompt = stop_strings if stop_strings is not None else [None] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"stop_strings has {len(per_prompt)} entries for {len(prompts)} prompts")
+        indices = range(len(prompts)) if indices is None else indices
         params = [_vllm().SamplingParams(**sampling_kwargs(cfg, greedy, max_new_tokens, per_prompt[i]),
-                                         seed=None if seed is None or greedy else request_seed(seed, i))
-                  for i in range(len(prompts))]
+                                         seed=None if seed is None or greedy else request_seed(seed, index))
+                  for i, index in enumerate(indices)]
         with self.weight_receiver.generation():
             if not self.in_flight_updates:
                 outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
@@ -316,34 +312,36 @@ def _repack_cpu_experts(model) -> None:
 
 
 class VllmGeneration(GenerationEngine):
-    """Driver-side front of one VllmGenerationWorker actor.
+    """Driver-side front of VllmGenerationWorker actors, one per replica (`replicas`: a Ray scheduling strategy
+    each, resource_plan.engine_replicas; (None,): one replica, anywhere).
 
     The front owns `cfg`: every `generate` call sends it along, so the sampling settings in effect are those of
-    `self.cfg` at call time. On a Ray cluster with GPUs the actor takes cfg.vllm_cfg.tensor_parallel_size
+    `self.cfg` at call time. On a Ray cluster with GPUs each replica takes cfg.vllm_cfg.tensor_parallel_size
     GPUs (vLLM in bfloat16; its TP workers use the actor's devices).
     """
 
     def __init__(self, cfg, model_path: str, cluster_cfg, *, seed: int = 0, in_flight_updates: bool = False,
-                 scheduling_strategy=None):
+                 replicas=(None,)):
         if not vllm_available():
             raise ImportError("policy.generation.backend 'vllm' needs vLLM installed (pip install vllm)")
         self.cfg = cfg
         env = dict(ENGINE_ENV, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB))
         v = cfg.vllm_cfg
         num_gpus = v.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
-        self.actor = ray.remote(VllmGenerationWorker).options(
-            num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env},
-            max_concurrency=2 if in_flight_updates else 1, scheduling_strategy=scheduling_strategy).remote(
+        worker = ray.remote(VllmGenerationWorker)
+        self.replicas = [worker.options(num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env},
+                                        max_concurrency=2 if in_flight_updates else 1,
+                                        scheduling_strategy=strategy).remote(
             model_path, cluster_cfg.num_threads_per_worker, v.max_model_len, v.gpu_memory_utilization, seed,
-            v.tensor_parallel_size, in_flight_updates)
-        ray.get(self.actor.__ray_ready__.remote())  # surface start-up errors here, not at the first generate
+            v.tensor_parallel_size, in_flight_updates) for strategy in replicas]
+        # surface start-up errors here, not at the first generate (the replicas start side by side)
+        ray.get([replica.__ray_ready__.remote() for replica in self.replicas])
 
-    def generate(self, prompts, *, greedy=False, seed=None, stop_strings=None, max_new_tokens=None):
-        return ray.get(self.actor.generate.remote(prompts, self.cfg, greedy, seed, stop_strings, max_new_tokens))
+    def _generate_on(self, replica, prompts, indices, greedy, seed, stop_strings, max_new_tokens):
+        return replica.generate.remote(prompts, self.cfg, greedy, seed, stop_strings, max_new_tokens, indices)
 
     def prepare_for_generation(self) -> None:
-        ray.get(self.actor.wake_up.remote())
+        ray.get([replica.wake_up.remote() for replica in self.replicas])
 
     def finish_generation(self) -> None:
-        ray.get(self.actor.sleep.remote())
-
+        ray.get([replica.sleep.remote() for replica in self.replicas])

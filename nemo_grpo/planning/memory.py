@@ -30,9 +30,11 @@ What each back end keeps, read off nemo_grpo/backends/:
              shard over dp; each rank keeps the activations, logits and packing mask of 1/cp of a row's tokens,
              plus the full-length K and V its attention all-gathers: of every layer (kept for the backward), of
              one layer with recomputation and in a forward.
-  vLLM       gpu_memory_utilization of each device for its weights (bf16, / its tp) and KV cache. Colocated, the
-             policy moves to host memory while vLLM generates and vLLM sleeps (level 1) while the policy trains:
-             the two phases are checked apart.
+  vLLM       gpu_memory_utilization of each device for its weights (bf16, / its tp) and KV cache. The engine runs
+             as data-parallel replicas of tp devices each (ResourcePlan.generation_replicas), each a full copy of
+             the weights with a KV cache of its own; the rows are one device's, the notes count the replicas.
+             Colocated, the policy moves to host memory while vLLM generates and vLLM sleeps (level 1) while the
+             policy trains: the two phases are checked apart.
 Activations assume every sequence at policy.max_total_sequence_length, a packed row full at its token budget
 (planning/activations.py). Every GPU also keeps RUNTIME_RESERVE_GIB for the CUDA context, NCCL buffers and
 allocator fragmentation.
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nemo_grpo.distributed.resource_plan import node_list, plan_resources
+from nemo_grpo.distributed.resource_plan import counted, node_list, plan_resources
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.layout import policy_layout
 from nemo_grpo.models.lora import target_modules
@@ -407,14 +409,14 @@ def plan_memory(cfg, plan=None) -> MemoryPlan:
     roles = [_policy_role(cfg, plan, spec, gpu)]
     g = cfg.policy.generation
     if g.backend == "vllm" and not g.colocated.enabled and "generation" not in plan.placements:
-        roles[0].notes.append("generation: vLLM on actors of its own without devices (policy.generation.colocated"
-                              ".resources unset: a CPU-only cluster), nothing to plan")
+        roles[0].notes.append(f"{plan.describe_replicas()}: vLLM on a CPU-only cluster, nothing to plan")
     elif g.backend == "vllm" and not g.colocated.enabled:
         place = plan.placements["generation"]
-        rows, problems, note = _vllm_rows(cfg, spec, gpu)
-        roles.append(RolePlan("generation", f"vLLM TP {g.vllm_cfg.tensor_parallel_size}, {place.world_size} GPUs "
-                              f"on nodes {node_list(place.nodes)}", _with_reserve([Device("every rank", {
-                                  "generation": rows})]), place.gpus_per_node, notes=[note], problems=problems))
+        rows, problems, notes = _vllm_rows(cfg, plan, spec, gpu)
+        layout = (f"vLLM {counted(len(plan.generation_replicas()), 'replica')} x TP {plan.generation_tp} = "
+                  f"{place.world_size} GPUs on nodes {node_list(place.nodes)}")
+        roles.append(RolePlan("generation", layout, _with_reserve([Device("every rank", {"generation": rows})]),
+                              place.gpus_per_node, notes=notes, problems=problems))
     r = cfg.env.reward_model
     if r is not None and r.active:
         roles.append(_reward_model_role(r, plan))
@@ -474,11 +476,11 @@ def _policy_role(cfg, plan, spec, gpu: float) -> RolePlan:
     if spec.experts:
         role.notes += _moe_notes(p, spec, layout)
     if vllm_colocated:
-        rows, role.problems, note = _vllm_rows(cfg, spec, gpu)
+        rows, role.problems, notes = _vllm_rows(cfg, plan, spec, gpu)
         for d in role.devices:
             d.phases["generation (colocated vLLM)"] = dict(rows, **{RESERVE: RUNTIME_RESERVE_GIB * GIB})
         role.host_per_gpu["vLLM asleep (weights)"] = rows[VLLM_WEIGHTS]
-        role.notes.append(note)
+        role.notes += notes
     elif p.generation.backend == "torch":
         role.notes.append("generation: the torch engine (a fallback) is not planned")
     if w.reference:
@@ -505,11 +507,11 @@ def _moe_notes(p, spec, layout) -> list[str]:
         spec.experts, "policy.megatron_cfg", p.model_name, layout.tp, m.sequence_parallel)]
 
 
-def _vllm_rows(cfg, spec, gpu: float) -> tuple[dict[str, float], list[str], str]:
+def _vllm_rows(cfg, plan, spec, gpu: float) -> tuple[dict[str, float], list[str], list[str]]:
     """vLLM on one of its devices: weights (bf16, / tp) and the KV cache gpu_memory_utilization leaves; the
-    problems (no room for one sequence) and a note with the cache's capacity."""
+    problems (no room for one sequence) and notes: the replicas, a replica's weights and the caches' capacity."""
     g, seq = cfg.policy.generation, cfg.policy.max_total_sequence_length
-    tp, util = g.vllm_cfg.tensor_parallel_size, g.vllm_cfg.gpu_memory_utilization
+    tp, util = plan.generation_tp, g.vllm_cfg.gpu_memory_utilization
     weights = total_params(spec) * 2.0 / tp
     kv_per_token = 2 * spec.num_layers * max(1, spec.kv_heads // tp) * spec.head_dim * 2  # K and V, bf16
     kv = util * gpu - weights
@@ -520,11 +522,20 @@ def _vllm_rows(cfg, spec, gpu: float) -> tuple[dict[str, float], list[str], str]
                         f"{kv / GIB:.1f} GiB for the KV cache after {weights / GIB:.1f} GiB of weights, less than "
                         f"one sequence of {seq} tokens ({kv_per_token * seq / GIB:.2f} GiB): raise it or "
                         f"vllm_cfg.tensor_parallel_size")
+    tokens = max(kv, 0.0) / kv_per_token  # of one replica: its TP devices hold a share of each token's K and V
+    return rows, problems, _replica_notes(cfg, plan, weights, tokens)
+
+
+def _replica_notes(cfg, plan, device_weights: float, tokens: float) -> list[str]:
+    """What one engine replica holds (a full copy of the weights over its TP devices, a KV cache of `tokens`)
+    and what all of them hold, in tokens and sequences of policy.max_total_sequence_length."""
+    tp, n, seq = plan.generation_tp, len(plan.generation_replicas()), cfg.policy.max_total_sequence_length
     rollouts = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    tokens = max(kv, 0.0) / kv_per_token
-    note = (f"vLLM TP {tp}, KV cache per engine: {tokens:,.0f} tokens = {tokens / seq:.1f} "
-            f"sequences of {seq} tokens at once ({rollouts} rollouts per step)")
-    return rows, problems, note
+    return [f"vLLM replica: weights {device_weights * tp / GIB:.1f} GiB (bf16, / TP {tp} = "
+            f"{device_weights / GIB:.1f} per device), KV cache {tokens:,.0f} tokens = {tokens / seq:,.1f} sequences "
+            f"of {seq} tokens",
+            f"vLLM, {counted(n, 'replica')}: KV cache {tokens * n:,.0f} tokens = {tokens * n / seq:,.1f} sequences "
+            f"at once, for {rollouts} rollouts per step ({rollouts / n:,.0f} per replica)"]
 
 
 def _reward_model_role(r, plan) -> RolePlan:
@@ -533,5 +544,5 @@ def _reward_model_role(r, plan) -> RolePlan:
     w = Workload(seq_len=r.max_model_len, train_micro_batch=0, micro_batches=0, forward_batch=r.batch_size,
                  training=False, reference=False, cp=policy_layout(p, place.world_size, "env.reward_model").cp)
     devices, _ = DEVICE_PLANNERS[p.backend](p, spec, w, place.world_size)
-    return RolePlan("reward model", _layout(p, place.world_size, place.nodes, "env.reward_model"), _with_reserve(devices),
-                    place.gpus_per_node)
+    return RolePlan("reward model", _layout(p, place.world_size, place.nodes, "env.reward_model"),
+                    _with_reserve(devices), place.gpus_per_node)

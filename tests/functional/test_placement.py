@@ -172,7 +172,8 @@ def run_four_nodes() -> None:
             "policy.generation.colocated.resources.num_nodes=1", "env.reward_model.enabled=true",
             "env.reward_model.resources.num_nodes=1", "env.reward_model.resources.gpus_per_node=null"))
         assert plan.describe().splitlines() == ["policy: nodes 0-1 x 8 GPUs = 16", "generation: nodes 2 x 8 GPUs = 8",
-                                                "reward_model: nodes 3 x 8 GPUs = 8"]
+                                                "reward_model: nodes 3 x 8 GPUs = 8",
+                                                "generation engine: 8 replicas of TP 1, 8 per node on nodes 2"]
         groups = resource_plan.reserve(plan)
         _check_landing(plan, groups, planned_node_ids)
         resource_plan.release(groups)

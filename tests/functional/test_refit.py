@@ -1,11 +1,13 @@
 """Refit in both modes (colocated: host shared memory; non-colocated: a gloo weight-transfer group) into both
-engines (torch; vLLM where installed), against one FSDP2 policy (dp=2) that keeps training between tests.
+engines (torch; vLLM where installed), each running two replicas, against one FSDP2 policy (dp=2) that keeps
+training between tests. PROMPTS are spread over both replicas, so every check below reads both.
 
 Each test first refits, so the engine starts from the policy's current weights; then the policy takes a real
 optimizer step at a large learning rate, and the engine must follow only once it is refit. The policy's own
 greedy decoding is computed here with plain transformers from the policy's exported weights.
 """
 
+import copy
 import dataclasses
 import sys
 import threading
@@ -15,13 +17,14 @@ import zlib
 import pytest
 import ray
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nemo_grpo.algorithms.kl import generation_mismatch_metrics
 from nemo_grpo.config import ClusterConfig, ColocatedConfig, DTensorConfig, LoraConfig, PolicyConfig
 from nemo_grpo.weights.refit import CollectiveRefitter, SharedMemoryRefitter, make_refitter
 from nemo_grpo.generation.torch_engine import TorchGeneration
 from nemo_grpo.generation import vllm_available
+from nemo_grpo.generation.interface import split_by_work
 from nemo_grpo.generation.vllm_engine import VllmGeneration
 from nemo_grpo.policy import Policy
 from weight_io import export_weights
@@ -33,6 +36,7 @@ MAX_NEW = 8
 BUCKET_MB = 0.1  # ~14 buckets for the 1.3 MB model: q/k/v and gate/up (fused in vLLM) straddle buckets
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [20, 21, 22, 23, 24, 25], [40, 41], [30, 31, 32, 33]]
 MODES = {"colocated": True, "collective": False}
+REPLICAS = (None, None)  # two engine replicas, placed by Ray (one node here)
 ENGINES = ["torch", pytest.param("vllm", marks=pytest.mark.skipif(not vllm_available(),
                                                                   reason="vLLM is not installed"))]
 
@@ -115,7 +119,7 @@ def setups(policy):
     def get(mode: str, name: str):
         if name not in engines:
             kind = TorchGeneration if name == "torch" else VllmGeneration
-            engines[name] = kind(pol.cfg.generation, path, CLUSTER)
+            engines[name] = kind(pol.cfg.generation, path, CLUSTER, replicas=REPLICAS)
         if (mode, name) not in refitters:
             gen_cfg = dataclasses.replace(pol.cfg.generation, colocated=ColocatedConfig(enabled=MODES[mode]))
             refitters[mode, name] = make_refitter(pol, engines[name], gen_cfg)
@@ -165,6 +169,31 @@ def test_sampled_logprobs_match_the_policy_after_refit_and_not_when_stale(policy
 
 
 @pytest.mark.parametrize("engine_name", ENGINES)
+def test_two_replicas_sample_what_one_replica_samples_at_the_same_seed(policy, setups, engine_name):
+    """Samples are seeded per request, so spreading a call over two replicas changes nothing but the float
+    rounding of a different batch (measured: equal tokens; log-probs equal on vLLM, within 5e-7 on torch).
+    Groups of identical prompts (GRPO's samples of one prompt) stay on one replica; stop strings follow their
+    prompts."""
+    engine, refitter = setups("colocated", engine_name)
+    refitter.refit()
+    one = copy.copy(engine)
+    one.replicas = engine.replicas[:1]  # the same weights, one replica
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    assert all(split_by_work(prompts, 2, MAX_NEW))  # both replicas sample
+    free = one.generate(prompts, seed=5)
+    text = AutoTokenizer.from_pretrained(policy[1]).decode
+    stops = [[text(o.token_ids[2:4])] if i % 2 and len(o.token_ids) > 4 else None for i, o in enumerate(free)]
+    for kwargs in ({}, {"stop_strings": stops}):
+        a, b = one.generate(prompts, seed=5, **kwargs), engine.generate(prompts, seed=5, **kwargs)
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
+        assert max(abs(x - y) for o, p in zip(a, b) for x, y in zip(o.logprobs, p.logprobs)) < 1e-5
+    stopped = [o for o, s in zip(b, stops) if s is not None]
+    assert stopped and all(o.finish_reason == "stop" and len(o.token_ids) <= 4 for o in stopped)
+    assert [o.token_ids for o in engine.generate(prompts, seed=6)] != [o.token_ids for o in b]
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
 def test_an_in_flight_refit_lands_mid_generation_and_the_engine_follows(policy, engine_name):
     """grpo.async_grpo.in_flight_weight_updates: a non-colocated refit while a long generate call is under way
     lands between two of its forward steps; the call still returns every response, and the engine then
@@ -172,7 +201,7 @@ def test_an_in_flight_refit_lands_mid_generation_and_the_engine_follows(policy, 
     pol, path = policy
     kind = TorchGeneration if engine_name == "torch" else VllmGeneration
     gen_cfg = dataclasses.replace(pol.cfg.generation, colocated=ColocatedConfig(enabled=False), max_new_tokens=100)
-    engine = kind(gen_cfg, path, CLUSTER, in_flight_updates=True)
+    engine = kind(gen_cfg, path, CLUSTER, in_flight_updates=True, replicas=REPLICAS)
     refitter = make_refitter(pol, engine, gen_cfg)
     try:
         refitter.refit()

@@ -298,6 +298,32 @@ def test_cpu_engine_of_its_own_is_a_note_not_a_crash():
     assert any("without devices" in note for note in memory.roles[0].notes)
 
 
+def test_vllm_notes_count_the_replicas():
+    """The engine runs one replica per TP group: a full copy of the weights over its TP devices each, a KV cache
+    each. Llama-3.3-70B at TP 8 colocated on 8 x 8 GPUs: 8 replicas, one per node; K and V of a token: 80 layers x
+    8 KV heads / TP 8 x 128 x 2 bytes x 2 on each device."""
+    _, _, memory = plan_recipe(os.path.join(ROOT, "configs", "grpo_math_70B_megatron.yaml"), [])
+    tokens = _rows(memory, 0, 0, "generation (colocated vLLM)")["vLLM KV cache"] / (80 * 1 * 128 * 2 * 2)
+    notes = memory.roles[0].notes
+    assert (f"vLLM replica: weights 131.4 GiB (bf16, / TP 8 = 16.4 per device), KV cache {tokens:,.0f} tokens = "
+            f"{tokens / 4096:,.1f} sequences of 4096 tokens") in notes
+    assert (f"vLLM, 8 replicas: KV cache {8 * tokens:,.0f} tokens = {8 * tokens / 4096:,.1f} sequences at once, for "
+            f"512 rollouts per step (64 per replica)") in notes
+
+
+def test_non_colocated_vllm_notes_count_the_replicas():
+    """grpo_rm_1B's non-colocated variant (its header): generation's own 2 GPUs at TP 1 are 2 replicas."""
+    _, _, memory = plan_recipe(os.path.join(ROOT, "configs", "grpo_rm_1B.yaml"), [
+        "policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.gpus_per_node=2",
+        "policy.dtensor_cfg.tensor_parallel_size=1"])
+    generation = memory.roles[1]
+    assert generation.layout == "vLLM 2 replicas x TP 1 = 2 GPUs on nodes 0"
+    assert generation.notes[0].startswith("vLLM replica: weights 2.9 GiB (bf16, / TP 1 = 2.9 per device)")
+    assert generation.notes[1].startswith("vLLM, 2 replicas: KV cache ")
+    assert generation.notes[1].endswith("for 512 rollouts per step (256 per replica)")
+    assert not any("replica" in note for note in memory.roles[0].notes)  # the policy's notes: no engine
+
+
 # ---------------------------------------------------------------------------------------------- LoRA
 LORA = ["policy.lora.enabled=true", "policy.lora.rank=4", "policy.lora.alpha=8"]
 # one layer's adapters on one of TP 2 ranks, rank 4: column-parallel (q, k, v, gate, up) A [4, in] whole,

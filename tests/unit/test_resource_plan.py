@@ -28,7 +28,8 @@ def test_one_node_colocated_policy_4_reward_model_4():
     assert plan.colocated_generation and plan.placement_of("generation") is plan.placements["policy"]
     assert plan.gpus_on_node(0) == {"policy": 4, "reward_model": 4}
     assert plan.describe() == ("policy: nodes 0 x 4 GPUs = 4 (colocated with generation)\n"
-                               "reward_model: nodes 0 x 4 GPUs = 4")
+                               "reward_model: nodes 0 x 4 GPUs = 4\n"
+                               "generation engine: 4 replicas of TP 1, 4 per node on nodes 0")
 
 
 def test_one_node_non_colocated_policy_2_generation_2_reward_model_4():
@@ -40,7 +41,8 @@ def test_one_node_non_colocated_policy_2_generation_2_reward_model_4():
     assert not plan.colocated_generation
     assert [p.world_size for p in plan.placements.values()] == [2, 2, 4]
     assert plan.describe() == ("policy: nodes 0 x 2 GPUs = 2\ngeneration: nodes 0 x 2 GPUs = 2\n"
-                               "reward_model: nodes 0 x 4 GPUs = 4")
+                               "reward_model: nodes 0 x 4 GPUs = 4\n"
+                               "generation engine: 2 replicas of TP 1, 2 per node on nodes 0")
 
 
 def test_several_nodes_generation_and_reward_model_get_their_own_nodes():
@@ -53,6 +55,7 @@ def test_several_nodes_generation_and_reward_model_get_their_own_nodes():
     assert plan.placements["policy"].world_size == 16 and plan.num_nodes == 4
     assert plan.placements["policy"].bundle_nodes() == [0] * 8 + [1] * 8
     assert plan.describe().splitlines()[0] == "policy: nodes 0-1 x 8 GPUs = 16"
+    assert plan.describe().splitlines()[-1] == "generation engine: 8 replicas of TP 1, 8 per node on nodes 2"
     assert plan.gpus_on_node(3) == {"reward_model": 8}
 
 
@@ -130,6 +133,43 @@ def test_non_positive_cluster_is_rejected_by_the_plan_too():
     cfg.cluster.gpus_per_node = -1  # (validation rejects it first; the plan does not rely on that)
     with pytest.raises(ConfigError, match=r"'cluster.gpus_per_node': must be > 0, got -1"):
         plan_resources(cfg)
+
+
+# ----------------------------------------------------------------------------------------------- engine replicas
+TP = "policy.generation.vllm_cfg.tensor_parallel_size"
+
+
+def test_colocated_replicas_one_per_device_at_tp_1():
+    plan = plan_resources(config(["cluster.gpus_per_node=2", "cluster.num_nodes=1"]))
+    assert plan.generation_tp == 1 and plan.generation_replicas() == [0, 0]
+
+
+def test_colocated_replicas_tp_4_on_two_nodes():
+    plan = plan_resources(config(["cluster.gpus_per_node=8", "cluster.num_nodes=2", f"{TP}=4"]))
+    assert plan.generation_replicas() == [0, 0, 1, 1]
+    assert plan.describe_replicas() == "generation engine: 4 replicas of TP 4, 2 per node on nodes 0-1"
+
+
+def test_non_colocated_replicas_run_on_generations_own_node():
+    plan = plan_resources(config(["cluster.gpus_per_node=8", "cluster.num_nodes=3", f"{TP}=2"], NON_COLOCATED,
+                                 ["policy.generation.colocated.resources.num_nodes=1",
+                                  "policy.generation.colocated.resources.gpus_per_node=8"]))
+    assert plan.placements["generation"].nodes == (2,)  # after the policy's nodes 0-1
+    assert plan.generation_replicas() == [2] * 4  # 8 devices / TP 2
+
+
+def test_non_colocated_without_resources_is_one_replica_anywhere():
+    plan = plan_resources(config(ONE_NODE, NON_COLOCATED, [f"{TP}=3"]))  # no devices: nothing to divide
+    assert plan.generation_replicas() == [None]
+    assert plan.describe().splitlines()[-1] == ("generation engine: 1 replica, on an actor without devices "
+                                                "(generation's resources unset)")
+
+
+def test_tp_that_does_not_divide_a_nodes_devices():
+    msg = _plan_error(ONE_NODE, [f"{TP}=3"])
+    assert msg.startswith(f"config key '{TP}': 3 does not divide the 8 devices per node of the policy's")
+    assert "8 / 3 replicas per node; use a divisor of 8" in msg
+    assert _plan_error(ONE_NODE, [f"{TP}=0"]) == f"config key '{TP}': must be > 0, got 0"
 
 
 def _ray_node(node_id, *resources, alive=True, gpus=8):
