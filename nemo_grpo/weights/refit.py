@@ -5,10 +5,13 @@ engine workers' `weights/receiver.py` (WeightReceiver over the engine's WeightSi
 and `Receivers` (the engine's workers), and owns a refit end to end: the engine's `prepare_for_refit`, the
 set-up at the first refit, the buckets.
 
-colocated (`policy.generation.colocated.enabled=true`): one region of host shared memory holds the whole
-  plan (HF-named full tensors in the engine's dtype); the policy ranks write their shards into it in place
-  (DTensor; Megatron gathers to rank 0, which writes), the engine's workers map it once and load each bucket
-  from it in place (`begin_refit` / `load_region_bucket` / `finish_refit`) while the next one is written.
+colocated (`policy.generation.colocated.enabled=true`): a region of host shared memory on each node that runs
+  engine replicas holds the whole plan (HF-named full tensors in the engine's dtype). One node: the policy
+  ranks write their shards into it in place (DTensor; Megatron gathers to rank 0, which writes). Several:
+  rank 0 writes the gathered tensors into its node's region and broadcasts each bucket's bytes to the first
+  policy rank of every other such node, which receives them into its node's region. The engine's workers map
+  their node's region once and load each bucket from it in place (`begin_refit` / `load_region_bucket` /
+  `finish_refit`) while the next one is written: each node's replicas read only their own node's memory.
 non-colocated (`enabled=false`): the engine is a separate group of actors. Policy rank 0 and the engine's
   workers form a collective group of their own (gloo on CPU, NCCL when every member is on CUDA; see
   nemo_grpo/weights/transfer.py), set up at the first refit: policy rank 0 plans the buckets (in the
@@ -20,11 +23,13 @@ non-colocated (`enabled=false`): the engine is a separate group of actors. Polic
 In both modes the driver only orchestrates: no tensor passes through it.
 
     refitter = make_refitter(policy, engine, cfg.policy.generation)
-    stats = refitter.refit()  # {"seconds", "bytes", "buckets"} (+ "send_seconds": policy rank 0's part)
+    stats = refitter.refit()  # {"seconds", "bytes", "buckets"} (+ "nodes": regions written, colocated;
+                              #  "send_seconds": policy rank 0's part, non-colocated)
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -37,6 +42,8 @@ from nemo_grpo.errors import ConfigError
 from nemo_grpo.weights.protocols import ReceiverHost, SenderHost
 from nemo_grpo.weights.receiver import WeightReceiver
 from nemo_grpo.weights.sender import WeightSender
+
+log = logging.getLogger(__name__)
 
 TRANSFER_TIMEOUT_S = 600.0  # joining the transfer group, and each broadcast, fail after this long
 DEAD_ACTOR_GRACE_S = 30.0  # after a failed refit, how long Ray may take to report a receiver's death
@@ -143,16 +150,34 @@ class SharedMemoryRefitter(Refitter):
     memory that the engine's workers have mapped, bucket by bucket; each worker loads bucket i from there in
     place while the policy writes bucket i + 1. The driver passes only the writes' ObjectRefs."""
 
+    regions = 0  # nodes with a region (set up at the first refit)
+
     def _setup(self) -> None:
-        """Plan in the engine's dtype, create the region, map it on the engine's workers, then on the policy."""
+        """Plan in the engine's dtype; a region on every node that runs engine replicas (rank 0's node: rank 0
+        creates it; another: the node's first policy rank); map them on the engine's workers, then the policy."""
         info = self.senders.run(WeightSender.open_region, self.name, self.bucket_size_mb, self.receivers.dtype())[0]
-        hosts = self.receivers.run(WeightReceiver.node_ip)
-        if any(h != info["host"] for h in hosts):
-            raise RuntimeError(f"colocated refit: the engine's workers run on {sorted(set(hosts))}, policy rank 0 on "
-                               f"{info['host']}; colocated generation shares the policy's node (or set "
-                               "policy.generation.colocated.enabled=false)")
-        self.receivers.run(WeightReceiver.attach_region, info["path"], ray.put(info["plan"]))
-        self.senders.run(WeightSender.attach_region, self.name, info["host"], info["path"])
+        rank_hosts = self.senders.run(WeightSender.node_ip)
+        worker_hosts = self.receivers.run(WeightReceiver.node_ip)
+        regions, leaders = {info["host"]: info["path"]}, []
+        for host in dict.fromkeys(worker_hosts):
+            if host in regions:
+                continue
+            if host not in rank_hosts:
+                raise RuntimeError(f"colocated refit: an engine replica runs on {host}, where no policy rank runs "
+                                   f"(policy ranks on {sorted(set(rank_hosts))}); colocated generation shares the "
+                                   "policy's nodes (or set policy.generation.colocated.enabled=false)")
+            leaders.append(rank_hosts.index(host))
+            regions[host] = ray.get(self.senders.actors[leaders[-1]].__ray_call__.remote(
+                _on_sender, WeightSender.create_region, self.name))
+        plan = ray.put(info["plan"])
+        ray.get(self.receivers.run_each_async(WeightReceiver.attach_region,
+                                              [(regions[host], plan) for host in worker_hosts]))
+        self.senders.run(WeightSender.attach_region, self.name, regions, leaders)
+        self.regions = len(regions)
+        if len(regions) > 1:
+            writers = ", ".join(f"{host} (policy rank {rank})" for host, rank in zip(regions, [0, *leaders]))
+            log.info("colocated refit: a weight region in the shared memory of each of %d nodes: %s", len(regions),
+                     writers)
         self._adopt(info)
 
     def _transfer(self, first: int) -> dict[str, float]:
@@ -167,7 +192,7 @@ class SharedMemoryRefitter(Refitter):
             ray.get(opened + loads)
         finally:
             ray.get([w.finish_refit.remote() for w in workers])  # always closed, so the engine can generate
-        return {"bytes": float(sum(ray.get(writes))), "buckets": float(len(writes))}
+        return {"bytes": float(sum(ray.get(writes))), "buckets": float(len(writes)), "nodes": float(self.regions)}
 
 
 class CollectiveRefitter(Refitter):

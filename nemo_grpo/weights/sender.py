@@ -97,7 +97,7 @@ class WeightSender:
         frozen = plan_buckets([(n, b) for n, b in sizes if n not in trained], limit)
         names = frozen + plan_buckets([(n, b) for n, b in sizes if n in trained], limit)
         plan = wt.cast_plan([[specs[n] for n in bucket] for bucket in names], getattr(torch, dtype) if dtype else None)
-        transfer: dict[str, Any] = {"plan": plan, "region": None, "views": None, "group": None}
+        transfer: dict[str, Any] = {"plan": plan, "region": None, "views": None, "group": None, "leaders": None}
         self.transfers[name] = transfer
         if self.source.rank != 0:
             return None
@@ -105,37 +105,63 @@ class WeightSender:
         return {"host": ray.util.get_node_ip_address(), "path": transfer["region"].path, "plan": plan,
                 "trained_from": len(frozen)}
 
-    def attach_region(self, name: str, host: str, path: str) -> bool:
-        """Collective: the ranks on rank 0's node (`host`) map the region; when all of them could (returned),
-        each rank may write its own shards in place, else rank 0 writes the gathered tensors."""
+    def node_ip(self) -> str:
+        """The address of this rank's node (a region is shared within one node)."""
+        return ray.util.get_node_ip_address()
+
+    def create_region(self, name: str) -> str:
+        """A region of transfer `name`'s plan in this node's shared memory, created by this rank (the first
+        policy rank of a node whose engine replicas need one, other than rank 0's); returns its path."""
         transfer = self.transfers[name]
-        plan = transfer["plan"]
-        if self.source.rank != 0 and ray.util.get_node_ip_address() == host:
-            transfer["region"] = wt.SharedRegion(path, wt.region_nbytes(plan))
+        transfer["region"] = wt.SharedRegion.create(wt.region_nbytes(transfer["plan"]))
+        return transfer["region"].path
+
+    def attach_region(self, name: str, regions: dict[str, str], leaders: Optional[list[int]] = None) -> bool:
+        """Collective: each rank maps its node's region (`regions`: node address -> path), if its node has one.
+        One region that every rank mapped: each rank may write its own shards in place (returned). Else rank 0
+        writes the gathered tensors into its node's region and, with regions on several nodes, broadcasts each
+        bucket's bytes to `leaders` (the ranks that created the other nodes' regions), which receive them into
+        theirs: every node's engine replicas read their own node's memory."""
+        transfer = self.transfers[name]
+        plan, created = transfer["plan"], transfer["region"] is not None  # (rank 0, and the leaders)
+        host = ray.util.get_node_ip_address()
+        if not created and host in regions:
+            transfer["region"] = wt.SharedRegion(regions[host], wt.region_nbytes(plan))
         region = transfer["region"]
         if region is not None:
             transfer["buffers"] = wt.bucket_buffers(region.tensor, plan)
             transfer["views"] = wt.bucket_views(transfer["buffers"], plan)
+            transfer["spans"] = wt.bucket_spans(plan)
         everyone = torch.tensor([float(region is not None)], device=self.source.device)  # (NCCL: on the device)
         torch.distributed.all_reduce(everyone, op=torch.distributed.ReduceOp.MIN)  # also: every rank has mapped
-        transfer["in_place"] = bool(everyone.item())
-        if self.source.rank == 0:
-            region.unlink()  # every process that needs it has mapped it (the engine attached before)
+        transfer["in_place"] = bool(everyone.item()) and len(regions) == 1
+        transfer["leaders"] = None
+        if len(regions) > 1:  # (new_group is collective over every rank, members or not)
+            group = torch.distributed.new_group([0, *(leaders or [])], backend="gloo")
+            transfer["leaders"] = group if created else None
+        if created:
+            region.unlink()  # every process of the node that needs it has mapped it (the engine attached before)
         return transfer["in_place"]
 
     def write_bucket(self, name: str, index: int) -> int:
         """Collective: bucket `index` of transfer `name`, full tensors in the transfer's dtype, into the shared
-        region; returns its bytes (rank 0; 0 elsewhere)."""
+        region (regions on several nodes: rank 0's, then its bytes broadcast into the others); returns its
+        bytes (rank 0; 0 elsewhere)."""
         transfer = self.transfers[name]
         bucket = transfer["plan"][index]
         views = transfer["views"][index] if transfer["views"] is not None else None
         with torch.no_grad():
             self.source.write_weight_bucket(bucket, views, transfer["in_place"])
+        if transfer["leaders"] is not None:
+            start, stop = transfer["spans"][index]
+            torch.distributed.broadcast(transfer["region"].tensor[start:stop], src=0, group=transfer["leaders"])
         return sum(s.nbytes for s in bucket) if self.source.rank == 0 else 0
 
     def close(self, name: str) -> None:
-        """Forget transfer `name`: its region's memory goes with the last mapping, its group with its members."""
-        self.transfers.pop(name, None)
+        """Forget transfer `name`: its region's memory goes with the last mapping, its groups with their members."""
+        transfer = self.transfers.pop(name, None)
+        if transfer is not None and transfer["leaders"] is not None:
+            torch.distributed.destroy_process_group(transfer["leaders"])
 
     # ------------------------------------------------------------------------------------------ transfer group
     def open_transfer(self, name: str, bucket_size_mb: float, dtype: Optional[str],
@@ -156,7 +182,7 @@ class WeightSender:
         transfer, rank0 = self.transfers[name], self.source.rank == 0
         where = [(ray.util.get_node_ip_address(), transfer["region"].path) if rank0 else None]
         torch.distributed.broadcast_object_list(where, src=0)
-        self.attach_region(name, *where[0])
+        self.attach_region(name, {where[0][0]: where[0][1]})
         if rank0:
             transfer["device"] = self.source.device if backend == "nccl" else None  # NCCL sends from the device
             transfer["group"] = wt.join_group("", 0, 0, world_size, backend, transfer["timeout_s"],

@@ -187,6 +187,13 @@ def region_layout(plan: list[list[TensorSpec]]) -> tuple[list[list[int]], int]:
     return offsets, max(at, ALIGN)
 
 
+def bucket_spans(plan: list[list[TensorSpec]]) -> list[tuple[int, int]]:
+    """Per bucket, the [start, stop) bytes of a region that hold it (its dtype groups, alignment included)."""
+    offsets, total = region_layout(plan)
+    starts = [group[0] for group in offsets]
+    return list(zip(starts, starts[1:] + [total]))
+
+
 def region_nbytes(plan: list[list[TensorSpec]]) -> int:
     """Bytes of a region that holds `plan`."""
     return region_layout(plan)[1]

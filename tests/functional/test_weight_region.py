@@ -41,7 +41,8 @@ def test_region_buckets_equal_the_export(ray_cluster, tiny_model_dir, layout, dt
         senders = Senders(policy.group.actors)
         info = senders.run(WeightSender.open_region, "region-test", 0.05, dtype)[0]
         region = wt.SharedRegion(info["path"], wt.region_nbytes(info["plan"]))  # mapped here before the policy removes the file
-        assert senders.run(WeightSender.attach_region, "region-test", info["host"], info["path"])[0]  # every rank mapped it
+        regions = {info["host"]: info["path"]}
+        assert senders.run(WeightSender.attach_region, "region-test", regions)[0]  # every rank mapped it
         written = [senders.run(WeightSender.write_bucket, "region-test", i)[0] for i in range(len(info["plan"]))]
         assert len(info["plan"]) > 3 and sum(written) == sum(s.nbytes for b in info["plan"] for s in b)
         seen = {}

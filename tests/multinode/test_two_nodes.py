@@ -71,6 +71,7 @@ def assert_finished_clean(cluster, job, resumed_at_least: int) -> str:
 
 
 def test_dtensor_dp2_one_rank_per_node_survives_a_lost_node_with_the_one_node_rewards(slurm_cluster, built_model):
+    """DP 2, one rank and one vLLM replica per node; the one-node reference runs both replicas on one node."""
     reference = one_node_run(slurm_cluster, "dtensor_dp2_one_node", "cluster.gpus_per_node=2")
     job = submit(slurm_cluster, "dtensor_dp2", _train("$PWD", "cluster.num_nodes=2", "cluster.gpus_per_node=1"))
     job.wait_for("ckpt/step_2", timeout_s=JOB_TIMEOUT_S)
@@ -83,6 +84,13 @@ def test_dtensor_dp2_one_rank_per_node_survives_a_lost_node_with_the_one_node_re
                                                            1: ("n2", "10.77.0.12", "eth0")}, log[-6000:]
     assert "10.77.0.12" in ranks[0][3] and "10.77.0.11" in ranks[1][3]  # each rank's peer on the other node
     assert all(p.startswith("10.77.0.") for r in ranks.values() for p in r[3]), ranks  # no loopback, no eth1
+
+    # an engine replica on each node, colocated, each loading the refit from its own node's memory (a /dev/shm
+    # private to the node: a replica could not map the other node's region)
+    assert ("generation engine: 2 replicas of TP 1, 1 per node on nodes 0-1: node 0 = n1 (10.77.0.11), "
+            "node 1 = n2 (10.77.0.12)") in log, log[:6000]
+    assert ("colocated refit: a weight region in the shared memory of each of 2 nodes: 10.77.0.11 (policy rank 0), "
+            "10.77.0.12 (policy rank 1)") in log, log[:6000]
 
     # the lost node: one line naming it, then the launcher's restart
     assert re.search(r"lost node n2 \(10\.77\.0\.12, Ray node \w+\.\.\) at step \d+: its processes are gone; "
@@ -110,7 +118,8 @@ def test_megatron_pp2_one_stage_per_node_with_its_engine_on_a_third_stops_at_a_t
     assert "requeueing job" in log and f"(resumed at step {stopped[1]})" in log
     # in each of the two runs: a pipeline stage on each of two nodes, the engine on the third
     stages = [(m[0], m[1]) for m in RANK_LINE.findall(log)]
-    engines = re.findall(r"generation engine on (n\d) \(10\.77\.0\.1\d\) \(its own node\)", log)
+    engines = re.findall(r"generation engine: 1 replica of TP 1, 1 per node on nodes 2: node 2 = (n\d) "
+                         r"\(10\.77\.0\.1\d\)", log)
     assert len(stages) == 4 and len(engines) == 2, log[-6000:]
     for run in range(2):
         (rank0, node0), (rank1, node1) = stages[2 * run: 2 * run + 2]
