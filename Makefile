@@ -4,10 +4,11 @@
 # make test-unit   : tests/unit alone: no Ray, no vLLM, no subprocess, no process group (well under a minute)
 # make test-multinode : tests/multinode alone: a real Slurm cluster of namespaced nodes on this machine (root)
 # make setup-bench : .venv with the benchmarks' extras too (TRL for bench/grpo_vs_trl.py), through scripts/setup.sh
+# make config-reference : regenerate docs/config_reference.md from the config dataclasses (a unit test checks it)
 PY := .venv/bin/python
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup setup-bench train test test-quick test-unit test-multinode
+.PHONY: setup setup-bench train test test-quick test-unit test-multinode config-reference
 setup:
 	bash scripts/setup.sh
 
@@ -30,3 +31,6 @@ test-unit: setup
 
 test-multinode: setup
 	$(PYTEST) tests/multinode -v -rs --durations=10
+
+config-reference: setup
+	$(PY) -m nemo_grpo.config_reference

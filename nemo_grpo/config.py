@@ -4,7 +4,9 @@ A recipe is YAML data merged onto the schema below with OmegaConf, so an unknown
 wrong type is rejected with the full dotted key (`read_config`). Cross-field rules (batch divisibility,
 parallel layout, resources, files) live one floor up in nemo_grpo/validation.py, which also has the
 validated loaders the entry points use. Every error is a `ConfigError` whose message names the key and what is
-allowed. Key names follow NeMo RL's GRPO guide so its users recognise them.
+allowed. Key names follow NeMo RL's GRPO guide so its users recognise them. The policy section's dataclasses
+live in nemo_grpo/config_policy.py (re-exported here); docs/config_reference.md lists every key with its field's
+comment (python -m nemo_grpo.config_reference), so every field carries a one-line comment.
 """
 
 from __future__ import annotations
@@ -17,192 +19,14 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+# policy.*: re-exported, so `from nemo_grpo.config import PolicyConfig` (or any of its sections) keeps working
+from nemo_grpo.config_policy import (  # noqa: F401
+    OptimizerConfig, RouterLossConfig, DTensorConfig, DistributedDataParallelConfig, MegatronConfig,
+    ResourcesConfig, ColocatedConfig, VllmConfig, GenerationConfig, DynamicBatchingConfig,
+    SequencePackingConfig, TokenizerConfig, LoraConfig, PolicyConfig)
 from nemo_grpo.errors import ConfigError  # noqa: F401  (re-exported: the config's own error)
 
 BUILTIN_MODEL_PREFIX = "builtin:"
-
-
-# ----------------------------------------------------------------------------------------------- policy
-@dataclass
-class OptimizerConfig:
-    name: str = "adamw"  # adamw | sgd
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    warmup_steps: int = 0  # linear warm-up of the learning rate over this many optimizer steps, then constant
-
-
-@dataclass
-class RouterLossConfig:
-    """The Mixture-of-Experts router's training losses (Megatron's / NeMo RL's keys), the same fields in
-    policy.megatron_cfg and policy.dtensor_cfg; both back ends compute them with backends/router.py (HF's
-    load-balancing loss over the non-padding tokens). Ignored for a dense model."""
-    # none | aux_loss (HF's / Switch Transformer's load-balancing loss; Megatron's seq_aux_loss is not built)
-    moe_router_load_balancing_type: str = "none"
-    moe_aux_loss_coeff: float = 0.0  # the load-balancing loss's weight in the training loss (>= 0)
-    moe_z_loss_coeff: Optional[float] = None  # the router z-loss's weight (ST-MoE); null or 0: off
-
-
-@dataclass
-class DTensorConfig(RouterLossConfig):
-    tensor_parallel_size: int = 1
-    # data-parallel (FSDP2) degree; null = world size / tensor_parallel_size
-    data_parallel_size: Optional[int] = None
-    # context-parallel degree: each sequence cut into 2 x this many chunks over as many ranks (world = dp x cp x
-    # tp); the max_total_sequence_length and token budgets must divide by 2 x this (nemo_grpo/validation.py)
-    context_parallel_size: int = 1
-    activation_checkpointing: bool = False
-
-
-@dataclass
-class DistributedDataParallelConfig:
-    """policy.megatron_cfg.distributed_data_parallel_config (NeMo RL's keys), used with use_distributed_optimizer."""
-    overlap_grad_reduce: bool = True  # reduce-scatter each gradient bucket as soon as the backward fills it
-    grad_reduce_in_fp32: bool = True  # bf16 models: accumulate and reduce the gradients in fp32
-
-
-@dataclass
-class MegatronConfig(RouterLossConfig):
-    """policy.megatron_cfg: the Megatron-Core back end's layout (world size = tp x cp x pp x dp)."""
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1  # must divide the model's num_hidden_layers
-    sequence_parallel: bool = False  # with tp > 1: activations outside attention/MLP split along the sequence
-    # context-parallel degree: each sequence cut into 2 x this many chunks over as many ranks (world = tp x cp x pp
-    # x dp); the max_total_sequence_length and token budgets must divide by 2 x this (x tp with sequence_parallel)
-    context_parallel_size: int = 1
-    # Mixture-of-Experts models: the routed experts of each layer split over this many ranks (Megatron's expert
-    # parallelism, tokens exchanged all-to-all); carved out of the data-parallel ranks, so it must divide dp and
-    # the number of experts
-    expert_model_parallel_size: int = 1
-    # Megatron-Core's DistributedOptimizer: fp32 main weights and optimizer state sharded over the data-parallel
-    # ranks, gradients reduce-scattered by its DistributedDataParallel (distributed_data_parallel_config)
-    use_distributed_optimizer: bool = False
-    distributed_data_parallel_config: DistributedDataParallelConfig = field(
-        default_factory=DistributedDataParallelConfig)
-    activation_checkpointing: bool = False  # full recomputation of every layer in the backward pass
-    # Mixture-of-Experts routing replay: none | old_policy (R2: the training forward routes every position to the
-    # experts the log-prob pass of the same weights chose, recorded per position and layer) | engine (R3: the
-    # routes the generation engine recorded while it sampled; the torch engine records them)
-    moe_router_replay: str = "none"
-    # Mixture-of-Experts: each layer's local experts computed by two torch grouped matmuls (where torch has
-    # grouped_mm; backends/mcore/grouped_experts.py) instead of Megatron-Core's SequentialMLP loop over them
-    moe_grouped_gemm: bool = True
-    layer_spec: str = "local"  # local (torch modules) | transformer_engine (needs Transformer Engine)
-    # core attention of the local spec: sdpa (torch's scaled_dot_product_attention: flash / memory-efficient
-    # kernels, no [s, s] scores kept) | unfused (Megatron's DotProductAttention); TE's spec has its own
-    attention_backend: str = "sdpa"
-
-
-@dataclass
-class ResourcesConfig:
-    gpus_per_node: Optional[int] = None
-    num_nodes: Optional[int] = None
-
-
-@dataclass
-class ColocatedConfig:
-    # true: generation shares the policy's devices; weights refit through host shared memory.
-    # false: generation is a separate group of actors; weights refit over a collective group of their own
-    # (gloo on CPU, NCCL on GPU) from policy rank 0 (nemo_grpo/weights/refit.py)
-    enabled: bool = True
-    # the devices of non-colocated generation: required on GPUs, unused on a CPU-only cluster
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
-
-
-@dataclass
-class VllmConfig:
-    """policy.generation.vllm_cfg (NeMo RL's keys)."""
-    tensor_parallel_size: int = 1  # devices of one engine (CPU: worker processes, threads unbound)
-    gpu_memory_utilization: float = 0.6  # of each GPU, for weights + KV cache (colocated: the policy shares it)
-    max_model_len: Optional[int] = None  # null: min(max_position_embeddings, 32768)
-
-
-@dataclass
-class GenerationConfig:
-    backend: str = "vllm"  # vllm | torch (vllm falls back to torch, with a notice, where it is not installed)
-    max_new_tokens: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: Optional[int] = None
-    stop_strings: Optional[list[str]] = None
-    stop_token_ids: Optional[list[int]] = None  # besides the tokenizer's EOS
-    refit_bucket_size_mb: float = 256.0  # weights travel to the engine in buckets of about this size
-    colocated: ColocatedConfig = field(default_factory=ColocatedConfig)
-    vllm_cfg: VllmConfig = field(default_factory=VllmConfig)
-
-
-@dataclass
-class DynamicBatchingConfig:
-    """policy.dynamic_batching (NeMo RL's keys): each rank's rows sorted by length and cut into micro-batches
-    whose padded size (rows x longest row, rounded up to sequence_length_round) stays within a token budget;
-    replaces train_micro_batch_size / logprob_batch_size when enabled."""
-    enabled: bool = False
-    train_mb_tokens: Optional[int] = None  # padded tokens per training micro-batch
-    logprob_mb_tokens: Optional[int] = None  # padded tokens per get_logprobs / score forward
-    sequence_length_round: int = 64
-
-
-@dataclass
-class SequencePackingConfig:
-    """policy.sequence_packing (NeMo RL's keys): each rank's rows packed into bins of at most a token budget
-    (algorithm: first_fit_decreasing | concatenative); a bin is one row, its sequences isolated by per-sequence
-    attention and position ids. Replaces train_micro_batch_size /
-    logprob_batch_size (and dynamic batching) when enabled."""
-    enabled: bool = False
-    train_mb_tokens: Optional[int] = None  # real tokens per packed training row
-    logprob_mb_tokens: Optional[int] = None  # real tokens per packed get_logprobs / score row
-    algorithm: str = "first_fit_decreasing"
-    sequence_length_round: int = 64  # a packed row is padded to a multiple of this
-    # varlen: attention per sequence, sum(len²) (backends/varlen.py); mask: one block-diagonal causal mask over
-    # the row, s² (the reference path; Megatron's unfused attention always uses it)
-    attention: str = "varlen"
-
-
-@dataclass
-class TokenizerConfig:
-    name: Optional[str] = None  # local HF directory; null = policy.model_name
-    chat_template: Optional[str] = None  # Jinja template overriding the tokenizer's own
-
-
-@dataclass
-class LoraConfig:
-    """policy.lora: low-rank adapters W + (alpha / rank) * B @ A on the targeted linear layers; only the adapters
-    train (NeMo RL's dtensor_cfg.lora_cfg / megatron_cfg.peft keys; their `dim` is `rank` here)."""
-    enabled: bool = False
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0  # on the adapter's input
-    # Hugging Face leaf names of the linear layers that get adapters; empty: every linear layer of attention
-    # and MLP (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)
-    target_modules: list[str] = field(default_factory=list)
-    exclude_modules: list[str] = field(default_factory=list)  # leaf names taken out of the targets
-
-
-@dataclass
-class PolicyConfig:
-    # a local Hugging Face directory, or "builtin:tiny-addition" (built and warm-started locally on first use)
-    model_name: str = "builtin:tiny-addition"
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    backend: str = "dtensor"  # Policy back end, by registered name
-    precision: str = "float32"  # float32 | bfloat16 (bf16 mixed precision: fp32 master weights)
-    train_global_batch_size: int = 128  # samples per optimizer step
-    train_micro_batch_size: int = 32  # samples per forward/backward on one data-parallel rank
-    logprob_batch_size: int = 64  # samples per forward in get_logprobs on one data-parallel rank
-    max_total_sequence_length: int = 16  # prompt + response tokens
-    max_grad_norm: Optional[float] = 0.2  # null disables clipping
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    dtensor_cfg: DTensorConfig = field(default_factory=DTensorConfig)
-    megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
-    sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-
-    @property
-    def router_losses(self) -> RouterLossConfig:
-        """The router-loss keys of the configured back end's section (megatron_cfg or dtensor_cfg)."""
-        return self.megatron_cfg if self.backend == "megatron" else self.dtensor_cfg
 
 
 # ----------------------------------------------------------------------------------------------- loss / grpo
@@ -227,7 +51,8 @@ class LossConfig:
     use_cispo: bool = False  # objective cispo: -A x stop_grad(clip(ratio)) x logp
     use_on_policy_kl_approximation: bool = False  # weight the KL by pi / pi_gen (samples come from the engine)
     use_importance_sampling_correction: bool = False  # weight the actor loss by pi_old / pi_gen
-    truncated_importance_sampling_type: Optional[str] = None  # tis | icepop | seq-mask-tis (null: tis if a ratio is set)
+    # tis | icepop | seq-mask-tis (null: tis if a ratio is set)
+    truncated_importance_sampling_type: Optional[str] = None
     truncated_importance_sampling_ratio: Optional[float] = None  # upper bound of the IS weight
     truncated_importance_sampling_ratio_min: Optional[float] = None  # lower bound (icepop, seq-mask-tis; tis: 0)
     token_level_loss: bool = True  # false: mean over tokens of each sample, then over samples
@@ -237,21 +62,23 @@ class LossConfig:
 
 @dataclass
 class RewardScalingConfig:
-    enabled: bool = False
-    source_min: float = 0.0
-    source_max: float = 1.0
-    target_min: float = 0.0
-    target_max: float = 1.0
+    """grpo.reward_scaling: rewards clamped to [source_min, source_max], then mapped linearly onto [target_min,
+    target_max], before reward shaping and dynamic sampling (algorithms/advantages.py scale_rewards)."""
+    enabled: bool = False  # scale the rewards (false: they pass unchanged)
+    source_min: float = 0.0  # lower end of the rewards' range (lower rewards are clamped to it)
+    source_max: float = 1.0  # upper end of the rewards' range (must be > source_min)
+    target_min: float = 0.0  # what source_min maps to
+    target_max: float = 1.0  # what source_max maps to
 
 
 @dataclass
 class RewardShapingConfig:
     """grpo.reward_shaping: DAPO's soft overlong penalty, and a penalty for samples that never stop."""
-    enabled: bool = False
+    enabled: bool = False  # apply the penalties set below (overlong_buffer_length or stop_properly_penalty_coef)
     # DAPO: past max_response_length - overlong_buffer_length tokens, the reward falls linearly, by
     # overlong_buffer_penalty at max_response_length (and further beyond it)
     overlong_buffer_length: Optional[int] = None
-    overlong_buffer_penalty: Optional[float] = None
+    overlong_buffer_penalty: Optional[float] = None  # the reward taken off at max_response_length (>= 0)
     max_response_length: Optional[int] = None  # null: policy.generation.max_new_tokens x grpo.max_rollout_turns
     # a truncated sample's reward is multiplied by this (0: no reward for never stopping; 1: no penalty)
     stop_properly_penalty_coef: Optional[float] = None
@@ -269,6 +96,7 @@ class AdvEstimatorConfig:
 class AsyncGRPOConfig:
     """grpo.async_grpo (NeMo RL's keys): generation runs ahead of training on its own actors
     (nemo_grpo/algorithms/async_rollouts.py)."""
+    # on: needs policy.generation.colocated.enabled=false and loss_fn.use_importance_sampling_correction=true
     enabled: bool = False
     max_trajectory_age_steps: int = 1  # rollouts train at most this many optimizer steps after their weights
     in_flight_weight_updates: bool = False  # new weights reach the engine between two forward steps of a batch
@@ -276,34 +104,36 @@ class AsyncGRPOConfig:
 
 @dataclass
 class GRPOConfig:
-    num_prompts_per_step: int = 16
-    num_generations_per_prompt: int = 8
-    max_rollout_turns: int = 1
-    max_num_epochs: int = 1000
-    max_num_steps: int = 400
+    """grpo: the GRPO loop (algorithms/grpo.py): steps, groups, advantages, dynamic sampling, validation."""
+    num_prompts_per_step: int = 16  # prompts drawn per step
+    num_generations_per_prompt: int = 8  # samples per prompt: one group, whose rewards give the advantages
+    max_rollout_turns: int = 1  # turns per sample with a multi-turn environment (1: single turn)
+    max_num_epochs: int = 1000  # stop once the training prompts have been seen this many times
+    max_num_steps: int = 400  # steps to train (each: generate a rollout batch, then train on it)
     normalize_rewards: bool = True  # divide advantages by the group's reward std
-    use_leave_one_out_baseline: bool = False
+    use_leave_one_out_baseline: bool = False  # baseline: mean of the group's other samples (RLOO), not the group mean
     val_period: int = 50  # 0 disables periodic validation
-    val_at_start: bool = True
-    val_at_end: bool = True
+    val_at_start: bool = True  # validate before the first step (not when resuming past step 0)
+    val_at_end: bool = True  # validate after the last step
     val_batch_size: int = 100  # prompts per validation generation call
-    max_val_samples: int = 100
-    seed: int = 42
+    max_val_samples: int = 100  # validation prompts used: the first N of the validation set (0: none)
+    seed: int = 42  # seeds the prompt order, every step's sampling and the weights' initialisation
     overlong_filtering: bool = False  # truncated samples (no EOS) are excluded from the loss
     use_dynamic_sampling: bool = False  # DAPO: keep only groups whose rewards differ
-    dynamic_sampling_max_gen_batches: int = 10
+    dynamic_sampling_max_gen_batches: int = 10  # generation batches per step at most before the run fails
     batch_multiplier: float = 1.0  # prompts drawn per generation batch under dynamic sampling
     reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig)
     reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
     adv_estimator: AdvEstimatorConfig = field(default_factory=AdvEstimatorConfig)
     advantage_clip_low: Optional[float] = None  # advantages clamped to [low, high] after the estimator
-    advantage_clip_high: Optional[float] = None
+    advantage_clip_high: Optional[float] = None  # upper bound of that clamp (>= 0; null: unbounded)
     async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig)
 
 
 # ----------------------------------------------------------------------------------------------- env / data
 @dataclass
 class MathEnvConfig:
+    """env.math: the answer parsed from the response and checked against the reference (envs/math_env.py)."""
     num_workers: int = 2  # verifier processes
     timeout_s: float = 5.0  # per-sample parsing / verification budget
     max_answer_chars: int = 2048  # only the tail of a response is parsed
@@ -316,9 +146,9 @@ class CodeEnvConfig:
     terminate_on_evaluation: bool = True  # false: multi-turn (code blocks run, output returned)
     reward_mode: str = "fraction"  # fraction of the cases passed | all_or_nothing
     timeout_s: float = 5.0  # wall clock per run
-    cpu_s: int = 5
-    memory_mb: int = 512
-    max_output_bytes: int = 65536
+    cpu_s: int = 5  # CPU seconds per run (RLIMIT_CPU)
+    memory_mb: int = 512  # address space per run, MiB (RLIMIT_AS)
+    max_output_bytes: int = 65536  # stdout / stderr read up to this each; a run that writes more is killed
     # identical programs of one step (same code, cases and answer, or same code in a multi-turn run) run once
     # and share the result; false runs every copy (a program that reads time or randomness gets its own draw)
     run_identical_once: bool = True
@@ -326,6 +156,7 @@ class CodeEnvConfig:
 
 @dataclass
 class RewardModelTypeConfig:
+    """reward_model_cfg (NeMo RL's keys): the kind of reward model."""
     enabled: bool = True  # NeMo RL's switch; false turns the reward model off like env.reward_model.enabled
     reward_model_type: str = "bradley_terry"  # a scalar head over the last real token (the only type so far)
 
@@ -333,7 +164,7 @@ class RewardModelTypeConfig:
 @dataclass
 class RewardModelEnvConfig:
     """env.reward_model: rewards from a sequence classifier (HF *ForSequenceClassification, num_labels=1)."""
-    enabled: bool = True
+    enabled: bool = True  # false: no reward model (it runs only with reward_model_cfg.enabled as well)
     model_name: str = ""  # local HF directory of the reward model
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # name null = model_name
     precision: str = "float32"  # float32 | bfloat16
@@ -360,6 +191,7 @@ class RewardModelEnvConfig:
 
 @dataclass
 class EnvConfig:
+    """env: the environments that score samples, by name (a data set's env_name); null: not configured."""
     math: Optional[MathEnvConfig] = field(default_factory=MathEnvConfig)
     reward_model: Optional[RewardModelEnvConfig] = None
     code: Optional[CodeEnvConfig] = None
@@ -367,22 +199,24 @@ class EnvConfig:
 
 @dataclass
 class DatasetConfig:
-    # a built-in name (addition), a local .jsonl file, or a Hugging Face dataset name
+    """A data set of prompts and reference answers, and the environment that scores its samples."""
+    # a built-in data set (addition | arithmetic_code), or ResponseDataset: the JSONL file or HF data set in data_path
     dataset_name: str = "addition"
     data_path: Optional[str] = None  # JSONL path (or HF name) for dataset_name=ResponseDataset
-    input_key: str = "input"
-    output_key: str = "output"
+    input_key: str = "input"  # the problem's key in each row (JSONL field / HF column)
+    output_key: str = "output"  # the reference answer's key in each row
     subset: Optional[str] = None  # HF datasets only
-    split: str = "train"
+    split: str = "train"  # HF datasets only: the split to load
     prompt_file: Optional[str] = None  # a Python format string with {} for the problem text
-    system_prompt_file: Optional[str] = None
-    env_name: str = "math"
+    system_prompt_file: Optional[str] = None  # a text file whose content is the system message
+    env_name: str = "math"  # the environment (env.<name>) that scores this data set's samples
 
 
 @dataclass
 class DataConfig:
+    """data: the training and validation data sets."""
     max_input_seq_length: int = 8  # longer prompts are dropped (counted in the log)
-    shuffle: bool = True
+    shuffle: bool = True  # reshuffle the training prompts every epoch (seeded by grpo.seed)
     train: DatasetConfig = field(default_factory=DatasetConfig)
     validation: Optional[DatasetConfig] = field(default_factory=DatasetConfig)
 
@@ -390,51 +224,57 @@ class DataConfig:
 # ----------------------------------------------------------------------------------------------- run
 @dataclass
 class ClusterConfig:
+    """cluster: the devices of the run (a Ray cluster of exactly num_nodes nodes)."""
     gpus_per_node: int = 2  # on a CPU-only machine: worker processes standing in for devices
-    num_nodes: int = 1
+    num_nodes: int = 1  # nodes of the run (each with gpus_per_node devices)
     num_threads_per_worker: int = 1  # torch threads in each actor (pinned: busy processes collide otherwise)
     gpu_memory_gib: float = 79.6  # per device, for `python -m nemo_grpo.plan` (an 80 GB H100 / A100 has 79.6)
 
 
 @dataclass
 class CheckpointingConfig:
-    enabled: bool = True
-    checkpoint_dir: str = "results/grpo_tiny"
+    """checkpointing: step_<N>/ directories with top-k retention (utils/checkpoint.py)."""
+    enabled: bool = True  # save every save_period steps and at the last one
+    checkpoint_dir: str = "results/grpo_tiny"  # where step_<N>/ go (on a cluster: a directory every node sees)
     metric_name: Optional[str] = "val:accuracy"  # ranks checkpoints for keep_top_k; null keeps the newest
-    higher_is_better: bool = True
-    keep_top_k: Optional[int] = 3
-    save_period: int = 100
+    higher_is_better: bool = True  # metric_name ranks higher values first
+    keep_top_k: Optional[int] = 3  # checkpoints kept: the best k by metric_name, plus the newest; null: all
+    save_period: int = 100  # save every this many steps
     resume: bool = True  # continue from the latest checkpoint in checkpoint_dir if there is one
 
 
 @dataclass
 class WandbConfig:
-    project: str = "nemo-grpo"
-    name: Optional[str] = None
+    """logger.wandb: the Weights & Biases run (with logger.wandb_enabled)."""
+    project: str = "nemo-grpo"  # W&B project
+    name: Optional[str] = None  # W&B run name; null: W&B picks one
 
 
 @dataclass
 class MLflowConfig:
-    experiment_name: str = "nemo-grpo"
-    run_name: Optional[str] = None
-    tracking_uri: Optional[str] = None
+    """logger.mlflow: the MLflow run (with logger.mlflow_enabled)."""
+    experiment_name: str = "nemo-grpo"  # MLflow experiment
+    run_name: Optional[str] = None  # MLflow run name; null: MLflow picks one
+    tracking_uri: Optional[str] = None  # MLflow tracking server; null: MLflow's default
 
 
 @dataclass
 class LoggerConfig:
-    log_dir: str = "logs/grpo_tiny"
-    tensorboard_enabled: bool = True
-    wandb_enabled: bool = False
-    mlflow_enabled: bool = False
+    """logger: metrics to metrics.jsonl and the enabled back ends, a progress bar and a plot."""
+    log_dir: str = "logs/grpo_tiny"  # metrics.jsonl, TensorBoard events and the plot go here
+    tensorboard_enabled: bool = True  # TensorBoard events under <log_dir>/tensorboard
+    wandb_enabled: bool = False  # log to Weights & Biases too (needs the wandb package)
+    mlflow_enabled: bool = False  # log to MLflow too (needs the mlflow package)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     mlflow: MLflowConfig = field(default_factory=MLflowConfig)
-    progress_bar: bool = True
+    progress_bar: bool = True  # a tqdm bar over the steps; false: one log line per step
     plot: bool = True  # PNG of reward and validation accuracy per step, next to the logs
-    num_val_samples_to_print: int = 0
+    num_val_samples_to_print: int = 0  # validation generations logged as text at each validation
 
 
 @dataclass
 class MasterConfig:
+    """python -m nemo_grpo.train: a GRPO run (policy, loss, loop, environments, data, devices, checkpoints, logs)."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     loss_fn: LossConfig = field(default_factory=LossConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -448,6 +288,7 @@ class MasterConfig:
 # ----------------------------------------------------------------------------------------------- reward models
 @dataclass
 class RMDataConfig:
+    """data: the preference pairs (chosen, rejected) a reward model trains and validates on."""
     train_data_path: str = ""  # JSONL of preference pairs, or builtin:addition (generated, seed 0)
     val_data_path: Optional[str] = None  # (builtin:addition: other wrong answers, seed 1)
     max_seq_length: int = 256  # longer conversations keep their last tokens
@@ -455,9 +296,10 @@ class RMDataConfig:
 
 @dataclass
 class RMLoopConfig:
+    """rm: the reward-model training loop (algorithms/reward_model.py)."""
     max_num_steps: int = 100  # optimizer steps of policy.train_global_batch_size rows (= half as many pairs)
     val_period: int = 10  # 0: validate only at the end
-    seed: int = 42
+    seed: int = 42  # seeds the score head's initialisation and the pairs' order
     output_dir: str = "results/rm"  # init/ (a causal LM's seeded score head) and hf/ (the trained model)
 
 
@@ -494,7 +336,7 @@ class EvalConfig:
     num_prompts_per_step: int = 64  # prompts per generation call (each with its num_tests_per_prompt samples)
     max_num_prompts: Optional[int] = None  # only the first N prompts of the data set; null: all
     max_rollout_turns: int = 1  # turns per sample (multi-turn environments)
-    progress_bar: bool = True
+    progress_bar: bool = True  # a tqdm bar over the generation calls
 
 
 @dataclass
