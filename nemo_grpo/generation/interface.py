@@ -7,7 +7,7 @@ TP group of every generation device, each within a node). `generate` spreads a c
 cached, and groups go to the replica with the least expected work so far. The outputs come back in the prompts'
 order. Sampling is seeded per request (`request_seed(seed, index)`, index = the prompt's place in the call), so
 a seeded call gives the same samples whatever the number of replicas and whichever replica runs a prompt (up
-to the float rounding of a different batch, see README "Generation replicas").
+to the float rounding of a different batch, see docs/guides/generation-and-refit.md, "Replicas").
 """
 
 from __future__ import annotations

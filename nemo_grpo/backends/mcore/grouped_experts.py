@@ -1,7 +1,7 @@
 """Grouped-GEMM expert compute for Megatron-Core's local-spec MoE, without Transformer Engine or the `grouped_gemm`
 package: Megatron's SequentialMLP runs one matmul pair per local expert in a Python loop; `GroupedSequentialMLP`
 runs all local experts in two `torch.nn.functional.grouped_mm` calls (on an H100 in bf16, Qwen3-30B-A3B's layer
-with 64 experts: 3.2x the loop's training tokens/s, level with HF's module; README, GPU).
+with 64 experts: 3.2x the loop's training tokens/s, level with HF's module; docs/guides/gpu.md).
 
 Its parameters are SequentialMLP's, unchanged: `local_experts.{i}.linear_fc1.weight` [2*ffn, h] ([gate; up] on
 dim 0) and `local_experts.{i}.linear_fc2.weight` [h, ffn], so the weight mapping (weights.py), checkpoints, the
