@@ -8,6 +8,7 @@ seed; a node that loses its processes ends the run in bounded time, and the job 
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -43,6 +44,7 @@ def one_node_run(cluster, name: str, *overrides: str, config: str = "grpo_tiny_c
     """The same run on one node (a local Ray cluster on the host), started beside the job: the reference."""
     state_dir, env = cluster
     out_dir = os.path.join(state_dir, "jobs", name)
+    shutil.rmtree(out_dir, ignore_errors=True)  # a run of an earlier session there would be resumed, not repeated
     return subprocess.Popen(_train(out_dir, "cluster.num_nodes=1", *overrides, config=config).split(), cwd=ROOT,
                             env={k: v for k, v in env.items() if k != "SLURM_CONF"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
