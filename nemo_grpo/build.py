@@ -16,10 +16,10 @@ from nemo_grpo.config import EvalMasterConfig, MasterConfig, read_config, to_dic
 from nemo_grpo.data.datasets import load_problems
 from nemo_grpo.data.prompts import PromptLoader, build_prompts, read_prompt_files
 from nemo_grpo.distributed.cluster import init_ray
-from nemo_grpo.distributed.resource_plan import engine_replicas, plan_resources, reserve
+from nemo_grpo.distributed.resource_plan import engine_replicas, plan_resources, replicas_per_node, reserve
 from nemo_grpo.distributed.shared_storage import check_shared_directory
 from nemo_grpo.envs import create_env
-from nemo_grpo.errors import ConfigError, DataError
+from nemo_grpo.errors import DataError
 from nemo_grpo.generation import make_generation_engine
 from nemo_grpo.models.builtin import resolve_model_path
 from nemo_grpo.models.files import check_model_dir
@@ -167,10 +167,7 @@ def eval_replicas(cfg: EvalMasterConfig) -> int:
     """Engine replicas of an evaluation: every device of the cluster / the engine's TP (Ray places them: each
     asks for its TP devices on GPUs)."""
     tp, c = cfg.policy.generation.vllm_cfg.tensor_parallel_size, cfg.cluster
-    if c.gpus_per_node % tp:
-        raise ConfigError(f"config key 'policy.generation.vllm_cfg.tensor_parallel_size': {tp} does not divide "
-                          f"cluster.gpus_per_node {c.gpus_per_node}: each engine replica runs on one node")
-    return c.num_nodes * c.gpus_per_node // tp
+    return c.num_nodes * replicas_per_node(c.gpus_per_node, tp, "the cluster (cluster.gpus_per_node)")
 
 
 def build_evaluator(cfg: EvalMasterConfig, *, log_to_driver: bool = True) -> Evaluator:

@@ -37,6 +37,7 @@ RESERVE_TIMEOUT_S = 120.0
 
 RM_KEY = "env.reward_model.resources"
 GEN_KEY = "policy.generation.colocated.resources"
+TP_KEY = "policy.generation.vllm_cfg.tensor_parallel_size"
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class ResourcePlan:
         if not self.colocated_generation and "generation" not in self.placements:
             return [None]
         p = self.placement_of("generation")
-        return [node for node in p.nodes for _ in range(p.gpus_per_node // self.generation_tp)]
+        return [node for node in p.nodes for _ in range(p.gpus_per_node // self.generation_tp)]  # (divides: planned)
 
     def describe(self) -> str:
         lines = []
@@ -165,16 +166,21 @@ def plan_resources(cfg: MasterConfig) -> ResourcePlan:
 
 def _check_replicas(plan: ResourcePlan) -> None:
     """Every engine replica within one node: the TP size divides the generation devices of each node."""
-    key = "policy.generation.vllm_cfg.tensor_parallel_size"
-    _positive(plan.generation_tp, key)  # (validation rejects it first; the plan does not rely on that)
+    _positive(plan.generation_tp, TP_KEY)  # (validation rejects it first; the plan does not rely on that)
     if plan.generation_replicas() == [None]:
         return
-    tp, p = plan.generation_tp, plan.placement_of("generation")
-    if p.gpus_per_node % tp:
-        where = "the policy's (colocated generation)" if plan.colocated_generation else "generation's own"
-        _fail(key, f"{tp} does not divide the {p.gpus_per_node} devices per node of {where}: each engine "
-                   f"replica runs on one node, {p.gpus_per_node} / {tp} replicas per node; use a divisor of "
-                   f"{p.gpus_per_node}")
+    where = "the policy's (colocated generation)" if plan.colocated_generation else "generation's own"
+    replicas_per_node(plan.placement_of("generation").gpus_per_node, plan.generation_tp, where)
+
+
+def replicas_per_node(devices: int, tp: int, where: str) -> int:
+    """Engine replicas on a node of `devices` generation devices (`where`: whose they are): devices / tp; a
+    ConfigError naming policy.generation.vllm_cfg.tensor_parallel_size unless tp divides them (a replica runs
+    within one node)."""
+    if devices % tp:
+        _fail(TP_KEY, f"{tp} does not divide the {devices} devices per node of {where}: each engine replica runs "
+                      f"on one node, {devices} / {tp} replicas per node; use a divisor of {devices}")
+    return devices // tp
 
 
 def _plan_one_node(cfg: MasterConfig, dedicated) -> dict[str, Placement]:
@@ -323,9 +329,9 @@ def engine_replicas(plan: ResourcePlan, groups: dict) -> list:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     replicas = plan.generation_replicas()
-    group = groups["policy"] if plan.colocated_generation else groups.get("generation")
-    if group is None or replicas == [None]:  # a separate engine asking for nothing: anywhere
-        return [None]
+    if replicas == [None]:  # a separate engine asking for nothing: anywhere
+        return replicas
+    group = groups["policy"] if plan.colocated_generation else groups["generation"]
     bundle_nodes = plan.placement_of("generation").bundle_nodes()
     bundle_ids = ray.util.placement_group_table(group)["bundles_to_node_id"]
     node_ids = {node: bundle_ids[bundle_nodes.index(node)] for node in set(replicas)}

@@ -100,3 +100,17 @@ def test_defaults_are_nemo_rl_s_and_greedy():
     assert cfg.policy.generation.temperature == 0.0  # greedy, as NeMo RL's eval.yaml
     assert os.path.isfile(os.path.join(ROOT, "configs", "eval_tiny_cpu.yaml"))
     assert load_eval_config(os.path.join(ROOT, "configs", "eval_tiny_cpu.yaml")).eval.k_value >= 1
+
+
+def test_eval_runs_an_engine_replica_per_tp_group_of_every_cluster_device():
+    from nemo_grpo.build import eval_replicas
+    from nemo_grpo.config import ConfigError
+
+    path = os.path.join(ROOT, "configs", "eval_tiny_cpu.yaml")
+    assert eval_replicas(load_eval_config(path, [])) == 1
+    assert eval_replicas(load_eval_config(path, ["cluster.gpus_per_node=8", "cluster.num_nodes=2",
+                                                 "policy.generation.vllm_cfg.tensor_parallel_size=4"])) == 4
+    with pytest.raises(ConfigError, match=r"'policy.generation.vllm_cfg.tensor_parallel_size': 3 does not divide the "
+                                          r"8 devices per node of the cluster \(cluster.gpus_per_node\)"):
+        eval_replicas(load_eval_config(path, ["cluster.gpus_per_node=8",
+                                              "policy.generation.vllm_cfg.tensor_parallel_size=3"]))
