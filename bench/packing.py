@@ -117,15 +117,14 @@ def policy_config(path: str, mode: str, n: int, longest: int, precision: str):
 
 def computed_tokens(policy, batch: dict, kind: str) -> int:
     """Rows x width summed over the micro-batches the policy plans for `batch` (DTensor's widths)."""
-    from nemo_grpo.backends.batching import fixed_size_groups, take_rows
+    from nemo_grpo.backends.batching import take_rows
     from nemo_grpo.backends.model_inputs import natural_width
     from nemo_grpo.policy import dp_row_order
 
     cfg, lengths = policy.cfg, batch["input_lengths"]
     order = dp_row_order(len(lengths), policy.dp_size, cfg.train_global_batch_size)
     shards = [{"input_lengths": lengths[rows[rows >= 0]], "input_ids": lengths[rows[rows >= 0]]} for rows in order]
-    plan = policy._micro_batch_plan([s["input_lengths"].tolist() for s in shards], kind) or [
-        fixed_size_groups(len(s["input_lengths"]), TRAIN_ROWS if kind == "train" else LOGPROB_ROWS) for s in shards]
+    plan = policy._micro_batch_plan([s["input_lengths"].tolist() for s in shards], kind)
     packed, total = cfg.sequence_packing.enabled, 0
     for shard, groups in zip(shards, plan):
         for g in groups:

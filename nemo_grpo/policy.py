@@ -3,12 +3,13 @@
 The front is thin: it splits a batch over the data-parallel ranks, sends every rank of a DP group the same
 rows, computes the global-batch normalizers for the loss, gathers results in order and aggregates metrics.
 Everything model-specific happens in the back end's `PolicyWorker` (nemo_grpo/backends/), picked by
-`policy.backend`; the data contract is documented in nemo_grpo/backends/batching.py and worker.py.
+`policy.backend`; a training batch is a StepBatch (nemo_grpo/batch.py), the rest of the data contract is in
+nemo_grpo/backends/batching.py and worker.py.
 
     policy = Policy(cfg.policy, cfg.cluster, model_path, init_reference=True)
-    rows = policy.ship(batch)                                     # the rows into the object store, once
-    batch["prev_logprobs"] = policy.get_logprobs(rows)           # [B, T]
-    metrics = policy.train(rows, loss_fn, columns={"advantages": adv, ...})  # an optimizer step per global batch
+    with policy.shipped(StepBatch(...)) as rows:                  # each DP shard into its workers, once
+        prev = policy.get_logprobs(rows, keep="prev_logprobs")   # [B, T], also kept in the workers' shards
+        metrics = policy.train(rows, loss_fn, columns={"advantages": adv})  # adv [B]; a step per global batch
     make_refitter(policy, engine, cfg.policy.generation).refit()  # weights into the engine (weights/refit.py),
                                                                    # through policy.group: no tensor passes here
     policy.shutdown()
@@ -16,23 +17,25 @@ Everything model-specific happens in the back end's `PolicyWorker` (nemo_grpo/ba
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import ray
 import torch
 
 from nemo_grpo.backends import worker_class
-from nemo_grpo.backends.batching import (PACKING_ALGORITHMS, batch_size_of, equalize_group_counts, loss_mask,
-                                         split_sizes, take_rows, token_budget_groups)
+from nemo_grpo.backends.batching import (PACKING_ALGORITHMS, batch_size_of, equalize_group_counts,
+                                         fixed_size_groups, split_sizes, take_rows, token_budget_groups)
+from nemo_grpo.batch import StepBatch
 from nemo_grpo.distributed.worker_group import WorkerGroup
 from nemo_grpo.layout import policy_layout
 
 log = logging.getLogger(__name__)
-TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
 # metrics every rank has alike, the step's global values (rank 0's are taken): averaged over a call's optimizer
 # steps (RANK0_MEAN) or summed (RANK0_SUM); the moe/ ones only for a Mixture-of-Experts model
 RANK0_MEAN = ("grad_norm", "lr", "micro_batches", "moe/load_imbalance", "moe/routing_agreement",
@@ -40,36 +43,32 @@ RANK0_MEAN = ("grad_norm", "lr", "micro_batches", "moe/load_imbalance", "moe/rou
 RANK0_SUM = ("skipped_steps",)
 
 
-def _check_keys(batch: dict[str, Any], keys, what: str) -> None:
-    missing = [k for k in keys if k not in batch]
-    if missing:
-        raise KeyError(f"{what}: the batch lacks {missing} (has {sorted(batch)})")
-
-
 @dataclass
 class ShippedRows:
-    """A batch's rows in Ray's object store, split over the data-parallel ranks once: `get_logprobs`,
-    `get_reference_logprobs`, `score` and `train` take it in place of the batch dict, so a GRPO step ships its
-    rows once for its three calls (`Policy.ship`).
+    """A batch's rows held in the memory of the policy's workers, each data-parallel shard once (`Policy.ship`):
+    `get_logprobs`, `get_reference_logprobs`, `score` and `train` take it in place of the batch, so a GRPO step
+    sends its rows once for its calls, and a forward pass may leave its result in the shard (`keep`) for `train`.
 
-    batch: the driver's dict of the rows (the same tensors, not copies), B rows.
-    refs: per DP rank, the ObjectRef of its rows {key: [r, ...]}.
+    key: the name the workers hold the shard under (until `Policy.release`).
+    rows: the driver's dict of the rows (the same tensors, not copies), B rows; step: the StepBatch they are of
+        (None for a forward-only batch).
     order: per DP rank, the batch row of each of its rows, [r] long (dp_row_order); -1 marks a padding row (a
         copy of row 0 that evens out the ranks' forwards; its result is dropped).
     """
 
-    batch: dict[str, Any]
-    refs: list
+    key: str
+    rows: dict[str, Any]
     order: list[torch.Tensor]
+    step: Optional[StepBatch] = None
 
     @property
     def lengths(self) -> list[list[int]]:
         """Per DP rank: input_lengths of its rows (the micro-batch plans)."""
-        return [self.batch["input_lengths"][o.clamp(min=0)].tolist() for o in self.order]
+        return [self.rows["input_lengths"][o.clamp(min=0)].tolist() for o in self.order]
 
     def gather(self, per_dp: list[torch.Tensor]) -> torch.Tensor:
         """Per DP rank its results [r, ...] -> the batch's [B, ...] in batch order (padding rows dropped)."""
-        out = per_dp[0].new_empty((batch_size_of(self.batch), *per_dp[0].shape[1:]))
+        out = per_dp[0].new_empty((batch_size_of(self.rows), *per_dp[0].shape[1:]))
         for rows, result in zip(self.order, per_dp):
             keep = rows >= 0
             out[rows[keep]] = result[keep]
@@ -135,21 +134,44 @@ class Policy:
         return self.group.run_all("process_group_report")
 
     # ------------------------------------------------------------------------------------------ dispatch
-    def ship(self, batch: dict[str, Any]) -> ShippedRows:
-        """Put the batch's rows (every per-row entry) in the object store, one object per DP shard, in train's
-        layout where B allows it; the calls that take the result send only references."""
-        n = batch_size_of(batch)
+    def ship(self, batch: "StepBatch | dict[str, Any]") -> ShippedRows:
+        """Send the batch's rows (every per-row entry; a StepBatch's loss mask included) to the workers, each DP
+        shard once, in train's layout where B allows it; the workers hold them until `release`. The calls that
+        take the result send only its key."""
+        step = batch if isinstance(batch, StepBatch) else None
+        rows = step.rows() if step is not None else batch
+        n = batch_size_of(rows)
         if n == 0:
             raise ValueError(f"{self.name}: empty batch")
         order = dp_row_order(n, self.dp_size, self.cfg.train_global_batch_size)
-        refs = [ray.put(take_rows(batch, rows.clamp(min=0).tolist())) for rows in order]
-        return ShippedRows(batch, refs, order)
+        refs = [ray.put(take_rows(rows, shard.clamp(min=0).tolist())) for shard in order]
+        key = uuid.uuid4().hex
+        ray.get(self.group.run_each("hold", [(key, refs[d]) for d in self._dp_rank_of]))
+        return ShippedRows(key, rows, order, step)
 
-    def _micro_batch_plan(self, lengths: list[list[int]], kind: str) -> Optional[list]:
-        """Per DP shard (its rows' input_lengths), its rows grouped into micro-batches under a token budget
-        (`kind`: "train" or "logprob"), with the same number of groups on every shard: packed into bins
-        (policy.sequence_packing; each bin runs as one packed row) or cut by length (policy.dynamic_batching).
-        None when both are off."""
+    def release(self, rows: ShippedRows) -> None:
+        """The workers drop the shards `ship` gave them (and what the forwards kept there)."""
+        if self.group is not None:
+            self.group.run_all("release", rows.key)
+
+    @contextlib.contextmanager
+    def shipped(self, batch: "StepBatch | dict[str, Any]") -> Iterator[ShippedRows]:
+        """`ship` for the calls inside the block, `release` after it (after an error, one that the release meets
+        too, e.g. a dead worker, does not hide the first)."""
+        rows = self.ship(batch)
+        try:
+            yield rows
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.release(rows)
+            raise
+        self.release(rows)
+
+    def _micro_batch_plan(self, lengths: list[list[int]], kind: str) -> list[list[list[int]]]:
+        """Per DP shard (its rows' input_lengths), its rows grouped into micro-batches (`kind`: "train" or
+        "logprob"), with the same number of groups on every shard: the one place a batch is planned. Under a
+        token budget: packed into bins (policy.sequence_packing; each bin runs as one packed row) or cut by length
+        (policy.dynamic_batching); else in rows of policy.train_micro_batch_size / logprob_batch_size."""
         packing, dynamic = self.cfg.sequence_packing, self.cfg.dynamic_batching
         if packing.enabled:
             budget = getattr(packing, f"{kind}_mb_tokens")
@@ -158,7 +180,8 @@ class Policy:
             budget = getattr(dynamic, f"{kind}_mb_tokens")
             groups = [token_budget_groups(rows, budget, dynamic.sequence_length_round) for rows in lengths]
         else:
-            return None
+            size = self.cfg.train_micro_batch_size if kind == "train" else self.cfg.logprob_batch_size
+            return [fixed_size_groups(len(rows), size) for rows in lengths]
         return equalize_group_counts(groups)
 
     def _gather(self, refs: list) -> list[Any]:
@@ -167,13 +190,16 @@ class Policy:
         return [results[self._output_rank_of[d]] for d in range(self.dp_size)]
 
     def _forward(self, method: str, batch: "dict[str, Any] | ShippedRows", **kwargs) -> Any:
-        """Rows split over DP (short shards padded so all ranks run the same number of forwards), each DP group
-        sent the same reference; per-row results (a tensor, or a tuple of them) gathered back in batch order."""
+        """Rows split over DP (short shards padded so all ranks run the same number of forwards), each rank sent
+        its shard's key; per-row results (a tensor, or a tuple of them) gathered back in batch order."""
         if not isinstance(batch, ShippedRows):
-            _check_keys(batch, ("input_ids", "input_lengths"), method)
-            batch = self.ship({"input_ids": batch["input_ids"], "input_lengths": batch["input_lengths"]})
+            missing = [k for k in ("input_ids", "input_lengths") if k not in batch]
+            if missing:
+                raise KeyError(f"{method}: the batch lacks {missing} (has {sorted(batch)})")
+            with self.shipped({"input_ids": batch["input_ids"], "input_lengths": batch["input_lengths"]}) as rows:
+                return self._forward(method, rows, **kwargs)
         plan = self._micro_batch_plan(batch.lengths, "logprob")
-        args = [(batch.refs[d], plan[d] if plan else None) for d in self._dp_rank_of]
+        args = [(batch.key, plan[d]) for d in self._dp_rank_of]
         per_dp = self._gather(self.group.run_each(method, args, **kwargs))
         if isinstance(per_dp[0], tuple):
             return tuple(batch.gather(list(parts)) for parts in zip(*per_dp))
@@ -184,75 +210,75 @@ class Policy:
         if self.scalar_head:
             raise RuntimeError(f"{self.name}: {what} needs a causal LM; this policy has a scalar head (use score)")
 
-    def get_logprobs(self, batch: dict[str, Any], return_routes: bool = False) -> Any:
+    def get_logprobs(self, batch: "dict[str, Any] | ShippedRows", return_routes: bool = False,
+                     keep: Optional[str] = None) -> Any:
         """input_ids [B, T], input_lengths [B] -> logprobs [B, T] (column 0 and padding are 0), no grad. With
         return_routes (a Mixture-of-Experts model): (logprobs, routed_experts [B, T, L, k] int16), the experts
         each position was routed to in each of the L MoE layers (-1 on padding), which `train` takes as the
         column "routed_experts" (routing replay, policy.megatron_cfg.moe_router_replay, and the agreement
-        metrics of backends/router.py)."""
+        metrics of backends/router.py). keep (shipped rows only): the workers also write the log-probs (and the
+        routes) into their shard under that name, for `train`'s loss."""
         self._need_lm("get_logprobs")
-        return self._forward("get_logprobs", batch, return_routes=return_routes)
+        return self._forward("get_logprobs", batch, return_routes=return_routes, keep=keep)
 
-    def get_reference_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
+    def get_reference_logprobs(self, batch: "dict[str, Any] | ShippedRows", keep: Optional[str] = None
+                               ) -> torch.Tensor:
         """Like get_logprobs with the initial weights: [B, T]. Needs init_reference=True."""
         if not self.init_reference:
             raise RuntimeError(f"{self.name}: get_reference_logprobs needs Policy(..., init_reference=True)")
-        return self._forward("get_reference_logprobs", batch)
+        return self._forward("get_reference_logprobs", batch, keep=keep)
 
-    def score(self, batch: dict[str, Any]) -> torch.Tensor:
+    def score(self, batch: "dict[str, Any] | ShippedRows") -> torch.Tensor:
         """input_ids [B, T], input_lengths [B] -> scalar-head output at the last real token, [B]."""
         if not self.scalar_head:
             raise RuntimeError(f"{self.name}: score needs a scalar head: Policy(..., scalar_head=True)")
         return self._forward("score", batch)
 
     # ------------------------------------------------------------------------------------------ training
-    def train(self, batch: "dict[str, Any] | ShippedRows", loss_fn,
+    def train(self, batch: "StepBatch | dict[str, Any] | ShippedRows", loss_fn,
               columns: Optional[dict[str, torch.Tensor]] = None) -> dict[str, float]:
         """One optimizer step per global batch of policy.train_global_batch_size rows (B must be a multiple).
 
-        batch: the rows, or the ShippedRows of them (`ship`); columns: per-row tensors [B, ...] the shipped
-        rows lack (e.g. advantages), sent with this call. loss_fn(logprobs [b, T] (scalar head: scores [b]),
-        micro_batch, global_valid_seqs, global_valid_toks) -> (loss, metrics), the normalizers counted over each
-        global batch. Returns the loss-fn metrics (and "loss") summed over micro-batches and DP ranks, averaged
-        over the optimizer steps, plus "grad_norm" (pre-clip), "lr" and "skipped_steps" (steps skipped for a
-        non-finite gradient norm); a Mixture-of-Experts model adds "moe/aux_loss" (and "moe/z_loss" with its
-        coefficient) and "moe/load_imbalance" (backends/router.py).
+        batch: a StepBatch (or a dict of its fields), or the ShippedRows of one (`ship`), whose shards may hold
+        what forwards kept there (prev_logprobs, ...); columns: per-row tensors [B, ...] sent with this call
+        (GRPO: advantages [B]). loss_fn(logprobs [b, T] (scalar head: scores [b]), micro_batch,
+        global_valid_seqs, global_valid_toks) -> (loss, metrics), the normalizers counted over each global
+        batch. Returns the loss-fn metrics (and "loss") summed over micro-batches and DP ranks, averaged over the
+        optimizer steps, plus "grad_norm" (pre-clip), "lr" and "skipped_steps" (steps skipped for a non-finite
+        gradient norm); a Mixture-of-Experts model adds "moe/aux_loss" (and "moe/z_loss" with its coefficient)
+        and "moe/load_imbalance" (backends/router.py).
         """
-        rows = batch if isinstance(batch, ShippedRows) else None
-        columns = dict(columns or {})
-        full = {**(rows.batch if rows else batch), **columns}
-        _check_keys(full, TRAIN_KEYS, "train")
-        n, gbs, dp = batch_size_of(full), self.cfg.train_global_batch_size, self.dp_size
+        if not isinstance(batch, ShippedRows):
+            with self.shipped(StepBatch.of(batch)) as rows:
+                return self.train(rows, loss_fn, columns)
+        if batch.step is None:
+            raise TypeError(f"{self.name}: train needs the ShippedRows of a StepBatch (Policy.ship(StepBatch(...)))")
+        n, gbs, dp = len(batch.step), self.cfg.train_global_batch_size, self.dp_size
         if n == 0 or n % gbs:
             raise ValueError(f"train: batch size {n} is not a positive multiple of "
                              f"policy.train_global_batch_size={gbs}")
         if gbs % dp:
             raise ValueError(f"train: policy.train_global_batch_size={gbs} is not divisible by the "
                              f"data-parallel size {dp}")
-        rows = rows or self.ship(batch)
-        column_refs = [ray.put({k: v[order] for k, v in columns.items()}) if columns else {} for order in rows.order]
-        steps = self._train_steps(full, rows.lengths)
-        refs = self.group.run_each("train", [(rows.refs[d], column_refs[d], steps[d]) for d in self._dp_rank_of],
+        columns = dict(columns or {})
+        column_shards = [{k: v[order] for k, v in columns.items()} for order in batch.order]
+        steps = self._train_steps(batch.step, batch.lengths)
+        refs = self.group.run_each("train", [(batch.key, column_shards[d], steps[d]) for d in self._dp_rank_of],
                                    loss_fn=ray.put(loss_fn))
         by_rank = ray.get(refs)
         return self._aggregate([by_rank[self._output_rank_of[d]] for d in range(dp)], by_rank[0])
 
-    def _train_steps(self, batch: dict[str, Any], lengths: list[list[int]]) -> list[list[dict[str, Any]]]:
+    def _train_steps(self, batch: StepBatch, lengths: list[list[int]]) -> list[list[dict[str, Any]]]:
         """Per DP rank, one entry per global batch: its rows' range within the rank's shard, the global batch's
-        normalizers (valid samples, valid tokens; its real tokens) and, with packing or dynamic batching, its
-        micro-batches."""
-        n, gbs, dp = batch_size_of(batch), self.cfg.train_global_batch_size, self.dp_size
+        normalizers (StepBatch.normalizers) and its micro-batches."""
+        n, gbs, dp = len(batch), self.cfg.train_global_batch_size, self.dp_size
         k = gbs // dp
         per_dp: list[list[dict]] = [[] for _ in range(dp)]
         for g, start in enumerate(range(0, n, gbs)):
-            sample_mask = batch["sample_mask"][start:start + gbs]
-            gvs, gvt = sample_mask.float().sum(), loss_mask(batch["token_mask"][start:start + gbs], sample_mask).sum()
-            tokens = batch["input_lengths"][start:start + gbs].clamp(min=1).sum()  # real tokens, for MoE router terms
+            normalizers = batch.normalizers(start, start + gbs)
             plan = self._micro_batch_plan([rows[g * k:(g + 1) * k] for rows in lengths], "train")
             for d in range(dp):
-                step = {"rows": (g * k, (g + 1) * k), "global_valid_seqs": gvs, "global_valid_toks": gvt,
-                        "global_input_toks": tokens}
-                per_dp[d].append(step if plan is None else {**step, "micro_batches": plan[d]})
+                per_dp[d].append({"rows": (g * k, (g + 1) * k), **normalizers, "micro_batches": plan[d]})
         return per_dp
 
     @staticmethod

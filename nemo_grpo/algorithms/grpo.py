@@ -30,7 +30,7 @@ from nemo_grpo.algorithms.kl import generation_mismatch_metrics, sequence_kl
 from nemo_grpo.algorithms.losses import make_loss
 from nemo_grpo.algorithms.metrics import sample_metrics
 from nemo_grpo.algorithms.rollout import Sample, collate, prompt_text, response_text, run_rollouts
-from nemo_grpo.backends.batching import loss_mask
+from nemo_grpo.batch import StepBatch
 from nemo_grpo.config import MasterConfig, to_yaml
 from nemo_grpo.distributed.node_watch import start_node_watch
 from nemo_grpo.distributed.resource_plan import release
@@ -41,10 +41,6 @@ from nemo_grpo.utils.timer import Timer
 from nemo_grpo.weights.refit import make_refitter
 
 log = logging.getLogger(__name__)
-
-# what the policy receives of a collated rollout batch (the backends' data contract)
-TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask", "generation_logprobs")
-
 
 def env_metric_views(samples: list[Sample], num_generations_per_prompt: int) -> dict[str, dict[str, Any]]:
     """task name -> what that task's environment computes its metrics on (EnvironmentInterface): its own samples
@@ -150,11 +146,11 @@ class GRPOTrainer:
         """Rewards [N] scaled (grpo.reward_scaling), not yet shaped: what dynamic sampling filters on."""
         return scale_rewards(torch.tensor([s.reward for s in samples]), self.cfg.grpo.reward_scaling)
 
-    def _rewards(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Rewards [N] scaled (grpo.reward_scaling) then shaped (grpo.reward_shaping), and the scaled reward
-        components {name: [N]} when the environment returns several."""
+    def _rewards(self, samples: list[Sample], scaled: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The samples' scaled rewards [N] (grpo.reward_scaling) shaped (grpo.reward_shaping), and the scaled
+        reward components {name: [N]} when the environment returns several."""
         g, gen = self.cfg.grpo, self.cfg.policy.generation
-        rewards = shape_rewards(self._scaled_rewards(samples), torch.tensor([s.response_length for s in samples]),
+        rewards = shape_rewards(scaled, torch.tensor([s.response_length for s in samples]),
                                 torch.tensor([s.truncated for s in samples]), g.reward_shaping,
                                 max_response_length=gen.max_new_tokens * g.max_rollout_turns)
         names = sorted({k for s in samples for k in s.reward_components})
@@ -172,6 +168,7 @@ class GRPOTrainer:
         timer = timer or Timer()
         G, wanted = g.num_generations_per_prompt, g.num_prompts_per_step
         kept: list[Sample] = []
+        kept_scaled: list[torch.Tensor] = []  # their rewards scaled (grpo.reward_scaling): once a sample
         raw_rewards, batches, drawn = [], 0, 0
         while len(kept) < wanted * G:
             if batches == (g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
@@ -185,12 +182,14 @@ class GRPOTrainer:
             samples = self._rollout([d for d in prompts for _ in range(G)], seed=self._seed(step, batches),
                                     timer=timer)
             raw_rewards += [s.reward for s in samples]
-            if g.use_dynamic_sampling:
-                keep = dynamic_sampling_keep(self._scaled_rewards(samples), G).tolist()
-                samples = [s for i, k in enumerate(keep) if k for s in samples[i * G:(i + 1) * G]]
-            kept += samples[: wanted * G - len(kept)]
+            scaled = self._scaled_rewards(samples)  # [n]
+            if g.use_dynamic_sampling:  # on the scaled rewards, before shaping
+                rows = dynamic_sampling_keep(scaled, G).repeat_interleave(G).nonzero()[:, 0]
+                samples, scaled = [samples[i] for i in rows.tolist()], scaled[rows]
+            room = wanted * G - len(kept)
+            kept, kept_scaled = kept + samples[:room], kept_scaled + [scaled[:room]]
             batches += 1
-        rewards, components = self._rewards(kept)
+        rewards, components = self._rewards(kept, torch.cat(kept_scaled))
         stats = {"reward": sum(raw_rewards) / len(raw_rewards), "gen_batches": float(batches),
                  "fraction_groups_kept": len(kept) / len(raw_rewards)}
         return Rollouts(kept, rewards, components, stats, loader_state=self.loader.state_dict(), prompts_drawn=drawn,
@@ -200,20 +199,26 @@ class GRPOTrainer:
         return (self.cfg.grpo.seed * 1_000_003 + step * 101 + batch) % (2**31)
 
     # ------------------------------------------------------------------------------------------ one step
-    def _train_batch(self, samples: list[Sample]) -> dict[str, Any]:
+    def _train_batch(self, samples: list[Sample]) -> tuple[StepBatch, dict[str, Any]]:
+        """The step's StepBatch (sample_mask 0 on truncated samples under grpo.overlong_filtering), and the
+        collated batch it was made of (its response lengths and truncation flags, for the metrics)."""
         batch = collate(samples, self.tokenizer.pad_token_id or 0)
         truncated = batch["truncated"].float()
-        batch["sample_mask"] = 1.0 - truncated if self.cfg.grpo.overlong_filtering else torch.ones(len(samples))
-        return batch
+        sample_mask = 1.0 - truncated if self.cfg.grpo.overlong_filtering else torch.ones(len(samples))
+        step = StepBatch(batch["input_ids"], batch["input_lengths"], batch["token_mask"], sample_mask,
+                         generation_logprobs=batch["generation_logprobs"],
+                         routed_experts=batch.get("routed_experts"))
+        return step, batch
 
-    def _advantages(self, data: dict, mask: torch.Tensor, rewards: torch.Tensor, components: dict
-                    ) -> tuple[torch.Tensor, dict]:
-        """Per-token advantages [N, T] by grpo.adv_estimator (mask: the loss mask [N, T]); with
-        loss_fn.use_kl_in_reward, each reward first loses beta x its sequence's KL(pi_old || pi_ref) estimate.
-        Also the metrics of that."""
-        c, metrics = self.cfg, {}
+    def _advantages(self, step: StepBatch, logprobs: dict[str, torch.Tensor], rewards: torch.Tensor,
+                    components: dict) -> tuple[torch.Tensor, dict]:
+        """Advantages [N] by grpo.adv_estimator (each sample's, for every one of its tokens); with
+        loss_fn.use_kl_in_reward, each reward first loses beta x its sequence's KL(pi_old || pi_ref) estimate
+        (logprobs: the step's "prev_logprobs" and "reference_policy_logprobs" [N, T]). Also the metrics of
+        that."""
+        c, metrics, mask = self.cfg, {}, step.loss_mask
         if c.loss_fn.use_kl_in_reward:
-            kl = sequence_kl(data["prev_logprobs"], data["reference_policy_logprobs"], mask,
+            kl = sequence_kl(logprobs["prev_logprobs"], logprobs["reference_policy_logprobs"], mask,
                              c.loss_fn.reference_policy_kl_type, c.loss_fn.kl_input_clamp_value)  # [N]
             rewards = rewards - c.loss_fn.reference_policy_kl_penalty * kl
             metrics["kl_in_reward"] = kl.mean().item()
@@ -221,56 +226,54 @@ class GRPOTrainer:
                                   token_counts=mask.sum(-1))
         metrics["reward_after_scaling"] = rewards.mean().item()
         metrics["advantage_abs_mean"] = adv.abs().mean().item()
-        return adv[:, None] * data["token_mask"], metrics
+        return adv, metrics
 
     def train_step(self) -> dict[str, float]:
         cfg, step = self.cfg, self.state.step + 1
         self.timer.reset()
         with self.timer.time("total"):
             rollouts, async_metrics = self._next_rollouts(step)
-            batch = self._train_batch(rollouts.samples)
-            data = {k: v for k, v in batch.items() if k in TRAIN_KEYS}
-            mask = loss_mask(data["token_mask"], data["sample_mask"])  # [N, T]
-            with self.timer.time("logprobs"):
-                rows = self.policy.ship(data)  # the step's rows, once for the three calls
-                computed = self._prev_logprobs(rows, batch)
-                if cfg.loss_fn.reference_policy_kl_penalty > 0:
-                    computed["reference_policy_logprobs"] = self.policy.get_reference_logprobs(rows)
-            computed["advantages"], adv_metrics = self._advantages({**data, **computed}, mask, rollouts.rewards,
-                                                                   rollouts.components)
-            mismatch = generation_mismatch_metrics(computed["prev_logprobs"], data["generation_logprobs"], mask)
-            with self.timer.time("training"):
-                train_metrics = self.policy.train(rows, self.loss_fn, columns=computed)
+            batch, collated = self._train_batch(rollouts.samples)
+            with self.policy.shipped(batch) as rows:  # the step's rows on the workers, once for its calls
+                with self.timer.time("logprobs"):
+                    logprobs = self._old_and_reference_logprobs(rows)
+                advantages, adv_metrics = self._advantages(batch, logprobs, rollouts.rewards, rollouts.components)
+                mismatch = generation_mismatch_metrics(logprobs["prev_logprobs"], batch.generation_logprobs,
+                                                       batch.loss_mask)
+                with self.timer.time("training"):
+                    train_metrics = self.policy.train(rows, self.loss_fn, columns={"advantages": advantages})
             with self.timer.time("refit"):
                 refit = self._refit_engine(step)
             if self.collector is not None and cfg.grpo.async_grpo.in_flight_weight_updates:
                 async_metrics["async/refits_mid_generation"] = float(self.engine.refits_mid_generation())
         metrics = {**train_metrics, "refit_gib_per_s": refit["bytes"] / max(refit["seconds"], 1e-9) / 2**30,
                    **mismatch, **rollouts.stats, **adv_metrics, **self._env_metrics(rollouts), **async_metrics,
-                   "mean_response_length": batch["response_lengths"].float().mean().item(),
-                   "fraction_truncated": batch["truncated"].float().mean().item()}
+                   "mean_response_length": collated["response_lengths"].float().mean().item(),
+                   "fraction_truncated": collated["truncated"].float().mean().item()}
         self.state.step = step
         self.state.loader = rollouts.loader_state
         self.state.consumed_prompts += rollouts.prompts_drawn
         return metrics
 
-    def _prev_logprobs(self, rows, batch: dict[str, Any]) -> dict[str, Any]:
-        """{"prev_logprobs": [N, T]} of the current weights, and the routes [N, T, L, k] the training forward
-        replays (policy.megatron_cfg.moe_router_replay) or, without replay, measures its routing against
-        (backends/router.py's agreement metrics): recorded by this log-prob pass (old_policy), else the
-        engine's (batch "routed_experts", from an engine that records them)."""
+    def _old_and_reference_logprobs(self, rows) -> dict[str, torch.Tensor]:
+        """The shipped step's "prev_logprobs" [N, T] of the current weights and, with the KL penalty on,
+        "reference_policy_logprobs" [N, T]; the workers keep both in their shards for the loss. The training
+        forward replays (policy.megatron_cfg.moe_router_replay) or, without replay, measures its routing against
+        (backends/router.py's agreement metrics) the routes [N, T, L, k] this pass records (old_policy), else the
+        engine's (the StepBatch's routed_experts, from an engine that records them)."""
         policy_cfg = self.cfg.policy
         replay = policy_cfg.megatron_cfg.moe_router_replay if policy_cfg.backend == "megatron" else "none"
-        if replay == "old_policy":
-            logprobs, routes = self.policy.get_logprobs(rows, return_routes=True)
-            return {"prev_logprobs": logprobs, "routed_experts": routes}
-        if replay == "engine" and "routed_experts" not in batch:
+        if replay == "engine" and rows.step.routed_experts is None:
             raise RuntimeError("policy.megatron_cfg.moe_router_replay=engine: the generation engine returned no "
                                f"routes ({type(self.engine).__name__}); use the torch engine")
-        computed = {"prev_logprobs": self.policy.get_logprobs(rows)}
-        if "routed_experts" in batch:
-            computed["routed_experts"] = batch["routed_experts"]
-        return computed
+        if replay == "old_policy":
+            out = {"prev_logprobs": self.policy.get_logprobs(rows, return_routes=True, keep="prev_logprobs")[0]}
+        else:
+            out = {"prev_logprobs": self.policy.get_logprobs(rows, keep="prev_logprobs")}
+        if self.cfg.loss_fn.reference_policy_kl_penalty > 0:
+            out["reference_policy_logprobs"] = self.policy.get_reference_logprobs(
+                rows, keep="reference_policy_logprobs")
+        return out
 
     def _next_rollouts(self, step: int) -> tuple[Rollouts, dict[str, float]]:
         """Step `step`'s rollouts: generated now (synchronous GRPO), or taken from the async collector, dropping

@@ -8,11 +8,12 @@ A loss sees tensors only, never a model or a process group:
 
 - logprobs [b, T]: current-policy log-probs of one micro-batch (with grad); logprobs[:, t] =
   log p(input_ids[:, t] | input_ids[:, :t]), column 0 and padding 0.
-- mb: the matching rows of the batch dict: token_mask [b, T], sample_mask [b], advantages [b, T],
-  prev_logprobs [b, T], generation_logprobs [b, T], and reference_policy_logprobs [b, T] when the KL
-  penalty is on.
-- global_valid_toks = sum(token_mask * sample_mask[:, None]) and global_valid_seqs = sum(sample_mask),
-  both over the WHOLE global batch (every micro-batch on every data-parallel rank).
+- mb: the matching rows of the StepBatch (nemo_grpo/batch.py): token_mask [b, T], sample_mask [b], loss_mask
+  [b, T] (token_mask * sample_mask, built once by the StepBatch), advantages [b] (or [b, T] for per-token
+  advantages), prev_logprobs [b, T], generation_logprobs [b, T], and reference_policy_logprobs [b, T] when the
+  KL penalty is on.
+- global_valid_toks = sum(loss_mask) and global_valid_seqs = sum(sample_mask), both over the WHOLE global batch
+  (every micro-batch on every data-parallel rank).
 
 `loss` and every value in `metrics` are this micro-batch's additive CONTRIBUTIONS: summed over all
 micro-batches and data-parallel ranks they give the global-batch value, so results do not depend on the
@@ -32,7 +33,6 @@ from nemo_grpo.algorithms.kl import KL_TYPES, kl_penalty_per_token, score_weight
 from nemo_grpo.algorithms.masked import Number, masked_mean, masked_sum, safe_div  # noqa: F401 (masked_mean: API)
 from nemo_grpo.algorithms.objectives import (AGGREGATIONS, NEEDS_LOWER_BOUND, TRUNCATIONS, Objective,
                                              aggregate_loss, aggregation_of, objective_of, truncate_is_weights)
-from nemo_grpo.backends.batching import loss_mask
 from nemo_grpo.config import LossConfig
 from nemo_grpo.errors import ConfigError, require, require_choice
 from nemo_grpo.utils.registry import registrar
@@ -136,13 +136,15 @@ class ClippedPGLoss:
         dtype = torch.promote_types(logprobs.dtype, torch.float32)
         token_mask = mb["token_mask"].to(dtype)  # [b, T]
         sample_mask = mb["sample_mask"].to(dtype)  # [b]
-        mask = loss_mask(token_mask, sample_mask).to(dtype)  # [b, T]
+        mask = mb["loss_mask"].to(dtype)  # [b, T]
 
         def valid(x: torch.Tensor) -> torch.Tensor:  # [b, T], 0 outside trained tokens
             return torch.where(mask != 0, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
 
         curr, prev, gen = valid(logprobs), valid(mb["prev_logprobs"]), valid(mb["generation_logprobs"])
-        actor_tok, stats = self._actor_per_token(curr, prev, valid(mb["advantages"]), token_mask)  # [b, T]
+        adv = mb["advantages"]  # [b] (a sequence's, on each of its tokens) or [b, T]
+        adv = valid((adv[:, None] if adv.dim() == 1 else adv).expand_as(curr))
+        actor_tok, stats = self._actor_per_token(curr, prev, adv, token_mask)  # [b, T]
         if c.use_importance_sampling_correction:
             w, is_stats = self._is_weights(prev, gen, token_mask)
             actor_tok, stats = actor_tok * w, {**stats, **is_stats}

@@ -19,7 +19,6 @@ from typing import Callable, Optional
 import torch
 
 from nemo_grpo.algorithms.masked import Number, masked_mean, masked_sum, safe_div
-from nemo_grpo.backends.batching import loss_mask
 from nemo_grpo.config import LossConfig
 from nemo_grpo.errors import ConfigError, require
 from nemo_grpo.utils.registry import registrar
@@ -154,7 +153,8 @@ register_aggregation = registrar(AGGREGATIONS, "loss aggregation")  # @register_
 def token_mean(values, token_mask, sample_mask, global_valid_seqs, global_valid_toks, max_sequence_length):
     """sum(values * token_mask * sample_mask) / global_valid_toks: every token weighs the same (DAPO's
     token-level loss, https://arxiv.org/abs/2503.14476)."""
-    return safe_div(masked_sum(values, loss_mask(token_mask, sample_mask).to(values.dtype)), global_valid_toks)
+    per_sample = masked_sum(values, token_mask.to(values.dtype), dim=-1)  # [b]
+    return safe_div(masked_sum(per_sample, sample_mask.to(values.dtype)), global_valid_toks)
 
 
 @register_aggregation("seq_mean_token_mean")

@@ -1,9 +1,9 @@
 """Batches of the driver <-> worker data contract: pure functions over dicts of per-sample tensors.
 
 A batch is a dict with the samples along dim 0: input_ids [B, T] long, right-padded; input_lengths [B] long
-(the attention mask is derived from it); for training also token_mask [B, T], sample_mask [B], advantages
-[B, T], prev_logprobs [B, T], generation_logprobs [B, T], optionally reference_policy_logprobs [B, T]. Any other
-key (tensor or list with B entries) reaches the loss unchanged, sliced along dim 0.
+(the attention mask is derived from it); a training batch is a StepBatch's rows (nemo_grpo/batch.py: its fields
+and shapes). Any other key (tensor or list with B entries) reaches the loss unchanged, sliced along dim 0.
+Micro-batches are planned by the driver (Policy._micro_batch_plan), with the groupings below.
 """
 
 from __future__ import annotations
@@ -26,12 +26,6 @@ def _per_sample(batch: dict[str, Any], rows) -> dict[str, Any]:
                       or (isinstance(value, (list, tuple)) and len(value) == n))
         out[key] = rows(value) if per_sample else value
     return out
-
-
-def loss_mask(token_mask: torch.Tensor, sample_mask: torch.Tensor) -> torch.Tensor:
-    """token_mask [B, T] x sample_mask [B] -> [B, T] float: the positions a loss and its normalizer count (the
-    generated tokens of the samples not filtered out). The one definition, for the driver and the workers."""
-    return token_mask.float() * sample_mask.float()[:, None]
 
 
 def slice_batch(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_grpo.backends import checkpoint_state, context_parallel, varlen
-from nemo_grpo.backends.batching import batch_size_of, fixed_size_groups, slice_batch, take_rows
+from nemo_grpo.backends.batching import slice_batch, take_rows
 from nemo_grpo.backends.context_parallel import context_group
 from nemo_grpo.backends.model_inputs import ModelInputs, model_inputs, split_context
 from nemo_grpo.backends.optimizer import build_optimizer, clip_coefficient, lr_warmup_factor
@@ -94,6 +94,7 @@ class PolicyWorker(RestartableWorker, ABC):
         elif init_reference:  # the initial weights: a CPU copy of this rank's local shards
             self.reference = {n: t.detach().to("cpu", copy=True) for n, t in self._local_weights().items()}
         self.weight_sender = WeightSender(self)
+        self.held: dict[str, dict[str, Any]] = {}  # key -> this rank's shard of a shipped batch (Policy.ship)
 
     def teardown(self) -> None:
         """Drop the model, the optimizer and the process groups (spare_workers.py: this process may host another
@@ -308,36 +309,48 @@ class PolicyWorker(RestartableWorker, ABC):
         accumulate(totals, metrics)
         return loss
 
+    def hold(self, key: str, rows: dict[str, Any]) -> None:
+        """Keep this rank's shard of a shipped batch under `key` until release(key) (Policy.ship)."""
+        self.held[key] = rows
+
+    def release(self, key: str) -> None:
+        """Drop the shard held under `key` and what forwards kept in it."""
+        self.held.pop(key, None)
+
     @torch.no_grad()
-    def _chunked(self, data: dict[str, Any], fn, micro_batches: Optional[list[list[int]]] = None
-                 ) -> Optional[torch.Tensor]:
-        """Run fn in eval mode over chunks of policy.logprob_batch_size rows, or over the row groups
-        `micro_batches` (dynamic batching, sequence packing); the results in row order on output ranks."""
+    def _chunked(self, key: str, fn, micro_batches: list[list[int]], keep: tuple[str, ...] = ()) -> Any:
+        """Run fn in eval mode over the row groups `micro_batches` of the shard held under `key` (Policy plans
+        them); the results in row order on output ranks (None elsewhere). keep: the names under which every rank
+        also writes them into the shard, one per result (fn's tuple, or its one tensor)."""
         self.model.eval()
-        groups = micro_batches or fixed_size_groups(batch_size_of(data), self.cfg.logprob_batch_size)
-        outs = [fn(self._to_device(take_rows(data, g))) for g in groups]
-        if not self.output_rank:
+        data = self.held[key]
+        outs = [fn(self._to_device(take_rows(data, g))) for g in micro_batches]
+        if not self.output_rank and not keep:
             return None
-        order = torch.tensor([i for g in groups for i in g])
+        order = torch.tensor([i for g in micro_batches for i in g])
 
         def in_row_order(parts: list[torch.Tensor]) -> torch.Tensor:
             cat = torch.cat([p.cpu() for p in parts])
             return torch.empty_like(cat).index_copy_(0, order, cat)
-        if isinstance(outs[0], tuple):
-            return tuple(in_row_order(list(parts)) for parts in zip(*outs))
-        return in_row_order(outs)
+        results = tuple(in_row_order(list(parts)) for parts in zip(*outs)) if isinstance(outs[0], tuple) \
+            else in_row_order(outs)
+        data.update(zip(keep, results if isinstance(results, tuple) else (results,)))
+        return results if self.output_rank else None
 
-    def get_logprobs(self, data: dict[str, torch.Tensor], micro_batches: Optional[list[list[int]]] = None,
-                     return_routes: bool = False) -> Any:
-        """This DP rank's rows (input_ids, input_lengths) -> logprobs [b, T] (None on non-output ranks); with
-        return_routes (a Mixture-of-Experts model), (logprobs, routed_experts [b, T, L, k] int16: the experts
-        each position was routed to in each MoE layer, -1 on padding)."""
+    def get_logprobs(self, key: str, micro_batches: list[list[int]], return_routes: bool = False,
+                     keep: Optional[str] = None) -> Any:
+        """The rows held under `key` (input_ids, input_lengths), in the row groups `micro_batches` -> logprobs
+        [b, T] (None on non-output ranks); with return_routes (a Mixture-of-Experts model), (logprobs,
+        routed_experts [b, T, L, k] int16: the experts each position was routed to in each MoE layer, -1 on
+        padding). keep: also write the log-probs into the held shard under that name (and the routes under
+        "routed_experts"), for train's loss."""
         if not return_routes:
-            return self._chunked(data, self._forward_logprobs, micro_batches)
+            return self._chunked(key, self._forward_logprobs, micro_batches, (keep,) if keep else ())
         if self.router is None:
             raise RuntimeError("get_logprobs(return_routes=True): the model has no Mixture-of-Experts layers")
         with self.router.recorder.eval_routes():
-            return self._chunked(data, self._logprobs_and_routes, micro_batches)
+            return self._chunked(key, self._logprobs_and_routes, micro_batches,
+                                 (keep, "routed_experts") if keep else ())
 
     def _logprobs_and_routes(self, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch on device -> (logprobs [b, T], routed_experts [b, T, L, k] int16, -1 on padding)."""
@@ -349,21 +362,20 @@ class PolicyWorker(RestartableWorker, ABC):
         stacked = self.router.all_layers(routes).reshape(r, t, -1, self.router.top_k)
         return logprobs, inputs.to_rows(stacked, mb["input_ids"].shape[1], column_0=True, fill=-1).to(torch.int16)
 
-    def get_reference_logprobs(self, data: dict[str, torch.Tensor], micro_batches: Optional[list[list[int]]] = None
+    def get_reference_logprobs(self, key: str, micro_batches: list[list[int]], keep: Optional[str] = None
                                ) -> Optional[torch.Tensor]:
         """Like get_logprobs, with the initial weights swapped in for the forward and swapped back after."""
         if self.reference is None:
             raise RuntimeError("get_reference_logprobs: this policy was built with init_reference=False")
         with self._reference_weights():
-            return self.get_logprobs(data, micro_batches)
+            return self.get_logprobs(key, micro_batches, keep=keep)
 
-    def score(self, data: dict[str, torch.Tensor], micro_batches: Optional[list[list[int]]] = None
-              ) -> Optional[torch.Tensor]:
-        """This DP rank's rows -> scalar-head scores [b] at the last real token (None on non-output ranks)."""
+    def score(self, key: str, micro_batches: list[list[int]]) -> Optional[torch.Tensor]:
+        """The rows held under `key` -> scalar-head scores [b] at the last real token (None on non-output
+        ranks)."""
         if not self.scalar_head:
             raise RuntimeError("score: this policy has no scalar head (build it with scalar_head=True)")
-
-        return self._chunked(data, self._forward_scores, micro_batches)
+        return self._chunked(key, self._forward_scores, micro_batches)
 
     @contextlib.contextmanager
     def _reference_weights(self) -> Iterator[None]:
@@ -384,36 +396,33 @@ class PolicyWorker(RestartableWorker, ABC):
                     t.copy_(saved[n])
 
     # ------------------------------------------------------------------------------------------ training
-    def train(self, rows: dict[str, Any], columns: dict[str, Any], steps: list[dict[str, Any]],
+    def train(self, key: str, columns: dict[str, Any], steps: list[dict[str, Any]],
               loss_fn) -> list[dict[str, float]]:
-        """This rank's rows (the shipped ones) and the call's per-row `columns` (same rows, same order) -> one
-        optimizer step per entry {"rows": (start, stop) of them, "global_valid_seqs", "global_valid_toks"} (and
-        "micro_batches": row groups of those, with dynamic batching or packing).
+        """The rows held under `key` (with what forwards kept there) and the call's per-row `columns` (same rows,
+        same order) -> one optimizer step per entry {"rows": (start, stop) of them, "global_valid_seqs",
+        "global_valid_toks", "global_input_toks", "micro_batches": row groups of those (Policy plans them)}.
 
         Returns per step: the loss-fn metrics (and "loss") summed over this rank's micro-batches, plus
         "grad_norm" (global, pre-clip) and "lr" (the rate the step used); a Mixture-of-Experts model adds
         "moe/aux_loss" (summed like the loss) and "moe/load_imbalance" (global) (backends/router.py).
         """
         self.model.train()
-        data = {**rows, **columns}
+        data = {**self.held[key], **columns}
         return [self._train_step(slice_batch(data, *s["rows"]), loss_fn, s["global_valid_seqs"],
-                                 s["global_valid_toks"], s.get("micro_batches"), s.get("global_input_toks"))
+                                 s["global_valid_toks"], s["micro_batches"], s["global_input_toks"])
                 for s in steps]
 
     def _train_step(self, data: dict[str, Any], loss_fn, global_valid_seqs, global_valid_toks,
-                    groups: Optional[list[list[int]]] = None, global_input_toks=None) -> dict[str, float]:
-        """zero_grad -> forward/backward over micro-batches (policy.train_micro_batch_size rows, or the row
-        groups of dynamic batching) -> finish grads -> clip -> step; written once. A non-finite gradient norm
-        skips the optimizer and scheduler step ("skipped_steps": 1). global_input_toks: the global batch's real
-        tokens (prompts and responses), by which a Mixture-of-Experts model's router terms are weighted
-        (default: this rank's)."""
+                    groups: list[list[int]], global_input_toks) -> dict[str, float]:
+        """zero_grad -> forward/backward over the micro-batches `groups` (row groups of `data`) -> finish grads
+        -> clip -> step; written once. A non-finite gradient norm skips the optimizer and scheduler step
+        ("skipped_steps": 1). global_input_toks: the global batch's real tokens (prompts and responses), by
+        which a Mixture-of-Experts model's router terms are weighted."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.router is not None:
-            own = data["input_lengths"].clamp(min=1).sum()
-            self.router.start_step(global_input_toks if global_input_toks is not None else own)
+            self.router.start_step(global_input_toks)
         gvs = torch.as_tensor(global_valid_seqs, dtype=torch.float32, device=self.device)
         gvt = torch.as_tensor(global_valid_toks, dtype=torch.float32, device=self.device)
-        groups = groups or fixed_size_groups(batch_size_of(data), self.cfg.train_micro_batch_size)
         micro_batches = [take_rows(data, g) for g in groups]
         totals = self._forward_backward(micro_batches, loss_fn, gvs, gvt)
         self._finish_gradients()

@@ -7,7 +7,7 @@ from test_grpo_reporting import bare_trainer, sample
 
 from nemo_grpo.algorithms.advantages import estimate_advantages
 from nemo_grpo.algorithms.kl import sequence_kl
-from nemo_grpo.backends.batching import loss_mask
+from nemo_grpo.batch import StepBatch
 from nemo_grpo.config import RewardScalingConfig, RewardShapingConfig
 
 
@@ -18,7 +18,7 @@ def test_rewards_are_scaled_then_shaped_and_components_scaled():
     samples[0].reward_components = {"correct": 1.0, "format": 0.5}
     samples[1].reward_components = {"correct": 1.0, "format": 1.0}
     samples[1].truncated = True
-    rewards, components = trainer._rewards(samples)
+    rewards, components = trainer._rewards(samples, trainer._scaled_rewards(samples))
     assert rewards.tolist() == [0.75, 0.0]  # 1.5 / 2; truncated: x 0
     assert components["correct"].tolist() == [0.5, 0.5] and components["format"].tolist() == [0.25, 0.5]
 
@@ -30,15 +30,17 @@ def test_kl_in_reward_is_taken_off_before_the_estimator():
     data = {"token_mask": torch.tensor([[0.0, 1, 1], [0, 1, 0]]), "sample_mask": torch.ones(2),
             "prev_logprobs": torch.tensor([[0.0, -1, -1], [0, -1, 0]]),
             "reference_policy_logprobs": torch.tensor([[5.0, -2, -3], [5, -1, 9]])}
+    step = StepBatch(torch.zeros(2, 3, dtype=torch.long), torch.tensor([3, 2]), data["token_mask"],
+                     data["sample_mask"])
     rewards = torch.tensor([1.0, 1.0])
-    adv, metrics = trainer._advantages(data, loss_mask(data["token_mask"], data["sample_mask"]), rewards, {})
+    adv, metrics = trainer._advantages(step, data, rewards, {})
     # k1 summed over the response tokens: sample 0: 1 + 2 = 3; sample 1: 0 -> rewards 1 - 1.5 = -0.5 and 1
     kl = sequence_kl(data["prev_logprobs"], data["reference_policy_logprobs"], data["token_mask"], "k1")
     assert kl.tolist() == [3.0, 0.0] and metrics["kl_in_reward"] == pytest.approx(1.5)
     assert metrics["reward_after_scaling"] == pytest.approx(0.25)
     expected = estimate_advantages(torch.tensor([-0.5, 1.0]), 2, trainer.cfg.grpo)
-    torch.testing.assert_close(adv, expected[:, None] * data["token_mask"])
-    assert adv[0, 1] < 0 < adv[1, 1]  # equal rewards, but sample 0 strayed from the reference
+    torch.testing.assert_close(adv, expected)  # [N]: a sample's advantage, for each of its tokens
+    assert adv[0] < 0 < adv[1]  # equal rewards, but sample 0 strayed from the reference
 
 
 class Loader:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_losses import PLAIN, _close, _random_batch, _run, _split_loss, _two_samples
+from test_losses import PLAIN, _close, _random_batch, _run, _split_loss, _two_samples, with_loss_mask
 
 from nemo_grpo.algorithms.kl import sequence_kl
 from nemo_grpo.algorithms.losses import ClippedPGLoss, make_loss
@@ -163,8 +163,8 @@ def test_dr_grpo_sums_each_sequence_over_a_constant():
     """Sample 0: one token (A = 4); sample 1: three (A = 1, 2, 3); per-token loss -A; normalizer L = 4."""
     logprobs, mb = _two_samples()
     loss_fn = ClippedPGLoss(_with(loss_aggregation="seq_mean_token_sum_norm"), max_sequence_length=4)
-    mask = mb["token_mask"] * mb["sample_mask"][:, None]
-    loss, _ = loss_fn(logprobs, mb, mb["sample_mask"].sum(), mask.sum())
+    mb = with_loss_mask(mb)
+    loss, _ = loss_fn(logprobs, mb, mb["sample_mask"].sum(), mb["loss_mask"].sum())
     (grad,) = torch.autograd.grad(loss, logprobs)
     assert loss.item() == pytest.approx((-4 / 4 + -6 / 4) / 2)
     # every token weighs 1 / (L x sequences), whatever the length of its answer

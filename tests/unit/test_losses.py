@@ -9,6 +9,7 @@ import torch
 
 from nemo_grpo.algorithms.kl import calculate_kl, generation_mismatch_metrics
 from nemo_grpo.algorithms.losses import LOSSES, ClippedPGLoss, aggregate_loss, make_loss, masked_mean
+from nemo_grpo.batch import loss_mask
 from nemo_grpo.config import LossConfig
 
 F64 = torch.float64
@@ -42,9 +43,14 @@ def _row(ratios, adv, prev=-1.0, gen=None, ref=None):
     return logprobs, mb
 
 
+def with_loss_mask(mb):
+    """mb and its loss mask, as a StepBatch's rows carry it (nemo_grpo/batch.py)."""
+    return {**mb, "loss_mask": loss_mask(mb["token_mask"], mb["sample_mask"])}
+
+
 def _run(cfg, logprobs, mb):
-    mask = mb["token_mask"] * mb["sample_mask"][:, None]
-    loss, metrics = ClippedPGLoss(cfg)(logprobs, mb, mb["sample_mask"].sum(), mask.sum())
+    mb = with_loss_mask(mb)
+    loss, metrics = ClippedPGLoss(cfg)(logprobs, mb, mb["sample_mask"].sum(), mb["loss_mask"].sum())
     (grad,) = torch.autograd.grad(loss, logprobs)
     return loss.item(), grad, metrics
 
@@ -265,8 +271,8 @@ def _random_batch(B=8, T=9, seed=0):
 
 def _split_loss(loss_fn, logprobs, mb, bounds):
     """Sum of contributions over row ranges [a, b): value, metrics summed, gradient w.r.t. the whole logprobs."""
-    mask = mb["token_mask"] * mb["sample_mask"][:, None]
-    gvs, gvt = mb["sample_mask"].sum(), mask.sum()  # over the whole global batch
+    mb = with_loss_mask(mb)
+    gvs, gvt = mb["sample_mask"].sum(), mb["loss_mask"].sum()  # over the whole global batch
     leaf = logprobs.detach().clone().requires_grad_(True)
     total, metrics = 0.0, {}
     for a, b in bounds:
@@ -328,10 +334,9 @@ def test_registry_and_pickling():
 
 def test_float32_inputs_give_float32_loss():
     logprobs, mb = _random_batch(seed=2)
-    mb32 = {k: v.float() for k, v in mb.items()}
+    mb32 = with_loss_mask({k: v.float() for k, v in mb.items()})
     lp = logprobs.float().requires_grad_(True)
-    mask = mb32["token_mask"] * mb32["sample_mask"][:, None]
-    loss, _ = make_loss("clipped_pg", ALL_ON)(lp, mb32, mb32["sample_mask"].sum(), mask.sum())
+    loss, _ = make_loss("clipped_pg", ALL_ON)(lp, mb32, mb32["sample_mask"].sum(), mb32["loss_mask"].sum())
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(_split_loss(make_loss("clipped_pg", ALL_ON), logprobs, mb, [(0, 8)])[0],
                                         abs=1e-5)

@@ -65,7 +65,7 @@ def test_dp_row_order_is_trains_layout_when_global_batches_divide():
 
 def test_shipped_rows_gather_back_in_batch_order_without_padding_rows():
     batch = {"input_ids": torch.zeros(5, 2, dtype=torch.long), "input_lengths": torch.tensor([1, 2, 3, 4, 5])}
-    rows = ShippedRows(batch, refs=[None, None], order=dp_row_order(5, 2, 4))
+    rows = ShippedRows("key", batch, order=dp_row_order(5, 2, 4))
     assert rows.lengths == [[1, 2, 3], [4, 5, 1]]  # the padding row is a copy of row 0
     per_dp = [torch.tensor([[10.0], [20.0], [30.0]]), torch.tensor([[40.0], [50.0], [-1.0]])]
     assert rows.gather(per_dp).view(-1).tolist() == [10.0, 20.0, 30.0, 40.0, 50.0]
