@@ -13,15 +13,11 @@ Tensors are Hugging-Face-named full tensors: the names, shapes and dtypes of the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import Optional, Protocol
 
 import torch
 
 from nemo_grpo.weights.transfer import TensorSpec
-
-if TYPE_CHECKING:  # (annotations only: sender.py and receiver.py import this module)
-    from nemo_grpo.weights.receiver import WeightReceiver
-    from nemo_grpo.weights.sender import WeightSender
 
 
 class WeightSource(Protocol):
@@ -82,14 +78,3 @@ class WeightSink(Protocol):
 
     def finish_refit(self) -> int: ...
 
-
-class SenderHost(Protocol):
-    """A policy rank's actor: a WeightSource holding its sending end."""
-
-    weight_sender: WeightSender
-
-
-class ReceiverHost(Protocol):
-    """An engine worker's actor: a WeightSink holding its receiving end."""
-
-    weight_receiver: WeightReceiver

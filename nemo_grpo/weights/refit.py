@@ -34,12 +34,11 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, Protocol
 
 import ray
 
 from nemo_grpo.errors import ConfigError
-from nemo_grpo.weights.protocols import ReceiverHost, SenderHost
 from nemo_grpo.weights.receiver import WeightReceiver
 from nemo_grpo.weights.sender import WeightSender
 
@@ -47,6 +46,18 @@ log = logging.getLogger(__name__)
 
 TRANSFER_TIMEOUT_S = 600.0  # joining the transfer group, and each broadcast, fail after this long
 DEAD_ACTOR_GRACE_S = 30.0  # after a failed refit, how long Ray may take to report a receiver's death
+
+
+class SenderHost(Protocol):
+    """A policy rank's actor: a WeightSource holding its sending end."""
+
+    weight_sender: WeightSender
+
+
+class ReceiverHost(Protocol):
+    """An engine worker's actor: a WeightSink holding its receiving end."""
+
+    weight_receiver: WeightReceiver
 
 
 def _on_sender(host: SenderHost, method: Callable, *args):
