@@ -87,9 +87,10 @@ def mixed_length_batch(n: int, seq_len: int, vocab: int) -> dict:
 def count_parameters(model_dir: str) -> tuple[int, int]:
     """(all, active) parameters of a saved HF model (tied embeddings once), as the memory planner counts them;
     active: those one token computes with (an MoE's routed experts only; all of a dense model)."""
-    from nemo_grpo.planning.params import active_params, decoder_spec, hf_config, total_params
+    from nemo_grpo.models.counts import active_params, total_params
+    from nemo_grpo.planning.params import decoder_spec, hf_config
 
-    spec = decoder_spec(hf_config(model_dir, "--model-dir"), scalar_head=False, megatron=False)
+    spec = decoder_spec(hf_config(model_dir, "--model-dir"), scalar_head=False, any_rope=True)
     return total_params(spec), active_params(spec)
 
 

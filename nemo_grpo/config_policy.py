@@ -196,8 +196,3 @@ class PolicyConfig:
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
     sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-
-    @property
-    def router_losses(self) -> RouterLossConfig:
-        """The router-loss keys of the configured back end's section (megatron_cfg or dtensor_cfg)."""
-        return self.megatron_cfg if self.backend == "megatron" else self.dtensor_cfg

@@ -33,6 +33,7 @@ def eval_rm(args: argparse.Namespace) -> int:
     # here, not at the top: these import ray, transformers and torch; --help and argument errors are answered
     # without them
     from nemo_grpo.algorithms.reward_model import evaluate
+    from nemo_grpo.backends.registry import backend_spec
     from nemo_grpo.data.preferences import read_preference_pairs
     from nemo_grpo.distributed.cluster import init_ray
     from nemo_grpo.validation import load_rm_eval_config
@@ -43,8 +44,7 @@ def eval_rm(args: argparse.Namespace) -> int:
     r = cfg.reward_model
     init_ray()
     results = evaluate(r, pairs, num_workers=(r.resources.gpus_per_node or 1) * (r.resources.num_nodes or 1))
-    layout = (f"tp={r.dtensor_cfg.tensor_parallel_size}" if r.backend == "dtensor" else
-              f"tp={r.megatron_cfg.tensor_model_parallel_size}, pp={r.megatron_cfg.pipeline_model_parallel_size}")
+    layout = backend_spec(r.backend).describe(r)
     print(f"{'subset':32s} {'pairs':>6s} {'accuracy':>9s}   ({r.model_name}, {r.backend}, {layout})")
     for subset, (acc, n) in results.items():
         print(f"{subset:32s} {n:6d} {acc:9.4f}")

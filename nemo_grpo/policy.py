@@ -28,12 +28,11 @@ from typing import Any, Iterator, Optional
 import ray
 import torch
 
-from nemo_grpo.backends import worker_class
 from nemo_grpo.backends.batching import (PACKING_ALGORITHMS, batch_size_of, equalize_group_counts,
                                          fixed_size_groups, split_sizes, take_rows, token_budget_groups)
+from nemo_grpo.backends.registry import backend_spec, policy_layout
 from nemo_grpo.batch import StepBatch
 from nemo_grpo.distributed.worker_group import WorkerGroup
-from nemo_grpo.layout import policy_layout
 
 log = logging.getLogger(__name__)
 # metrics every rank has alike, the step's global values (rank 0's are taken): averaged over a call's optimizer
@@ -102,7 +101,7 @@ class Policy:
         self.cfg, self.name = cfg, name
         self.scalar_head, self.init_reference = scalar_head, init_reference
         self.world_size = cluster.gpus_per_node * cluster.num_nodes
-        cls = worker_class(cfg.backend)
+        cls = backend_spec(cfg.backend).worker_class()
         policy_layout(cfg, self.world_size)  # a bad layout fails here, before any actor starts
         t0 = time.perf_counter()
         self.group = WorkerGroup(cls, cluster, name=name, placement_group=placement_group, kwargs=dict(

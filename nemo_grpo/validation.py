@@ -15,15 +15,14 @@ which imports it) inside the checks that need them, not at the top.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from typing import Optional
 
 from nemo_grpo.algorithms.advantages import ESTIMATORS
 from nemo_grpo.algorithms.losses import LOSSES, check_loss_config
-from nemo_grpo.backends import BACKENDS
 from nemo_grpo.backends.batching import PACKING_ALGORITHMS
+from nemo_grpo.backends.registry import all_specs, backend_names, backend_spec, check_degrees, policy_layout
 from nemo_grpo.backends.router import validate_router_losses
 from nemo_grpo.config import (BUILTIN_MODEL_PREFIX, DatasetConfig, EnvConfig, EvalMasterConfig, MasterConfig,
                               PolicyConfig, RewardModelEnvConfig, RMEvalConfig, RMTrainConfig, read_config)
@@ -32,10 +31,9 @@ from nemo_grpo.envs import ENVIRONMENTS
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.errors import require as _need
 from nemo_grpo.errors import require_choice as _choice
-from nemo_grpo.layout import ParallelLayout, backend_layout, check_inactive_degrees, policy_layout
+from nemo_grpo.layout import ParallelLayout
 from nemo_grpo.models.files import check_model_dir
 from nemo_grpo.models.lora import validate_lora
-from nemo_grpo.models.spec import check_divisible, check_megatron_experts, check_rope, moe_experts
 from nemo_grpo.utils.checkpoint import CONFIG_YAML, FINAL_PREFIX, POLICY_DIR, TRAINING_INFO, checkpoint_problem
 
 PRECISIONS = ["float32", "bfloat16"]
@@ -128,7 +126,7 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy", scalar
                     width: Optional[tuple[str, int]] = None) -> None:
     """The policy section's own values (not its layout, which needs the world size); scalar_head: a reward
     model's; width: (key, value) of the longest row, if not `<prefix>.max_total_sequence_length`."""
-    _choice(p.backend, f"{prefix}.backend", sorted(BACKENDS))
+    _choice(p.backend, f"{prefix}.backend", backend_names())
     _choice(p.precision, f"{prefix}.precision", PRECISIONS)
     _choice(p.optimizer.name, f"{prefix}.optimizer.name", ["adamw", "sgd"])
     _positive(p.optimizer.lr, f"{prefix}.optimizer.lr")
@@ -139,42 +137,31 @@ def validate_policy(p: PolicyConfig, files: bool, prefix: str = "policy", scalar
         _positive(getattr(p, key), f"{prefix}.{key}")
     if files:
         _need_model_dir(p.model_name, f"{prefix}.model_name", "a Hugging Face model directory or builtin:tiny-addition")
-    m = p.megatron_cfg
-    check_inactive_degrees(p.dtensor_cfg, m, prefix)
+    check_degrees(p, prefix)
     _validate_dynamic_batching(p, prefix)
     _validate_sequence_packing(p, prefix)
     validate_lora(p.lora, scalar_head, prefix)
     validate_router_losses(p, prefix)
     _validate_context_parallel(p, prefix, width or (f"{prefix}.max_total_sequence_length",
                                                     p.max_total_sequence_length))
-    _validate_router_replay(p, prefix)
-    if p.backend == "megatron":
-        key = f"{prefix}.megatron_cfg."
-        _choice(m.layer_spec, key + "layer_spec", ["local", "transformer_engine"])
-        _choice(m.attention_backend, key + "attention_backend", ["sdpa", "unfused"])
-        _need(not p.lora.enabled or m.layer_spec == "local", key + "layer_spec",
-              "LoRA (policy.lora.enabled) adapts the local layer spec's linears only; Transformer Engine's fused "
-              "norm + linear layers have no adapters: use local")
-        _need(m.layer_spec == "local" or importlib.util.find_spec("transformer_engine") is not None,
-              key + "layer_spec", "transformer_engine needs Transformer Engine installed (the gpu extra); use local")
+    for spec in all_specs():  # each back end's section, in use or not
+        spec.validate(p, prefix)
 
 
 def _validate_context_parallel(p: PolicyConfig, prefix: str, width: tuple[str, int]) -> None:
     """With context_parallel_size CP > 1 every row is cut into 2 x CP chunks (rank r holds chunks r and 2CP-1-r),
-    each chunk split again over the TP ranks by Megatron's sequence parallelism: the longest row (width: its key
+    each chunk split again over the TP ranks by sequence parallelism: the longest row (width: its key
     and value) and, with sequence packing or dynamic batching, the token budgets and sequence_length_round
-    (filled in first by derive_token_budgets) must be multiples of that. CP runs in our SDPA core attention on
-    Megatron, so neither unfused attention nor the Transformer Engine spec (whose own CP is not wired)."""
-    megatron = p.backend == "megatron"
-    m, section = p.megatron_cfg, f"{prefix}.{'megatron_cfg' if megatron else 'dtensor_cfg'}."
-    cp = m.context_parallel_size if megatron else p.dtensor_cfg.context_parallel_size
+    (filled in first by derive_token_budgets) must be multiples of that; then the back end's own CP rules."""
+    spec = backend_spec(p.backend)
+    cp = spec.degree(p, "cp")
     if cp == 1:
         return
-    cp_key, unit, why = section + "context_parallel_size", 2 * cp, f"2 x {section}context_parallel_size {cp}"
+    unit, why = 2 * cp, f"2 x {spec.key(prefix, spec.degree_keys['cp'])} {cp}"
     chunks = "context parallelism cuts every row into 2 x context_parallel_size equal chunks"
-    if megatron and m.sequence_parallel and m.tensor_model_parallel_size > 1:
-        tp = m.tensor_model_parallel_size
-        unit, why = unit * tp, why + f" x tensor_model_parallel_size {tp} (sequence_parallel)"
+    split, split_why = spec.sequence_split(p)  # ranks that split each chunk again (sequence parallelism over tp)
+    if split > 1:
+        unit, why = unit * split, why + split_why
         chunks += ", each split over the tensor-parallel ranks by sequence parallelism"
     _need(width[1] % unit == 0, width[0], f"{width[1]} is not a multiple of {why} = {unit}: {chunks}")
     for section_name in ("sequence_packing", "dynamic_batching"):
@@ -184,13 +171,7 @@ def _validate_context_parallel(p: PolicyConfig, prefix: str, width: tuple[str, i
                 value = getattr(budgets, name)
                 _need(value % unit == 0, f"{prefix}.{section_name}.{name}",
                       f"{value} is not a multiple of {why} = {unit}: {chunks}")
-    if megatron:
-        _need(m.attention_backend != "unfused", section + "attention_backend",
-              f"'unfused' with {cp_key} {cp}: context parallelism is built in the SDPA core attention only; "
-              f"use sdpa")
-        _need(m.layer_spec != "transformer_engine", section + "layer_spec",
-              f"'transformer_engine' with {cp_key} {cp}: Transformer Engine's own context parallelism is not "
-              f"wired; use local")
+    spec.validate_context_parallel(p, prefix, cp)
 
 
 def derive_token_budgets(p: PolicyConfig, section, key: str) -> None:
@@ -217,10 +198,11 @@ def _validate_dynamic_batching(p: PolicyConfig, prefix: str) -> None:
         return
     derive_token_budgets(p, db, key)
     _validate_token_budgets(db, key)
-    pp = p.megatron_cfg.pipeline_model_parallel_size
-    _need(p.backend != "megatron" or pp == 1, key + "enabled",
-          f"not with pipeline parallelism yet (policy.megatron_cfg.pipeline_model_parallel_size={pp}): the "
-          f"pipeline schedule needs micro-batches of equal shape; set one of them off")
+    spec = backend_spec(p.backend)
+    pp = spec.degree(p, "pp")
+    pp_key = spec.key("policy", spec.degree_keys.get("pp", ""))  # pp is 1 where the back end has no pipeline
+    _need(pp == 1, key + "enabled", f"not with pipeline parallelism yet ({pp_key}={pp}): the pipeline schedule "
+          "needs micro-batches of equal shape; set one of them off")
 
 
 def _validate_sequence_packing(p: PolicyConfig, prefix: str) -> None:
@@ -236,26 +218,10 @@ def _validate_sequence_packing(p: PolicyConfig, prefix: str) -> None:
           "set one of them off")
 
 
-def _validate_router_replay(p: PolicyConfig, prefix: str) -> None:
-    """policy.megatron_cfg.moe_router_replay: a known mode (engine: with the torch engine, the one that records
-    routes), on the megatron back end, and not with activation checkpointing (the recomputed forward would need
-    the routes a second time)."""
-    m, key = p.megatron_cfg, f"{prefix}.megatron_cfg.moe_router_replay"
-    _choice(m.moe_router_replay, key, ["none", "old_policy", "engine"])
-    if m.moe_router_replay == "none":
-        return
-    _need(m.moe_router_replay != "engine" or p.generation.backend == "torch", key, "engine (R3: the generation "
-          "engine's routes replayed in training) needs the torch engine (policy.generation.backend=torch), which "
-          "records them; vLLM returns none here (its CPU build refuses enable_return_routed_experts)")
-    _need(p.backend == "megatron", key, f"{m.moe_router_replay}: routing replay is built on the megatron back end "
-          f"only; set {prefix}.backend=megatron or {key}=none")
-    _need(not m.activation_checkpointing, key, f"{m.moe_router_replay}: not with "
-          f"{prefix}.megatron_cfg.activation_checkpointing (the recomputed forward would route again); set one off")
-
-
 def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "policy") -> None:
-    """The model's heads, KV heads, MLP width (and layers) split over the layout's tp (and pp), and Megatron builds
-    its RoPE: checked from its config.json before any worker starts; a ConfigError names the key and the sizes."""
+    """The model on the back end's layout (its sizes split over tp and pp, what the back end builds of it: its
+    BackendSpec.validate_model), checked from its config.json before any worker starts; a ConfigError names the
+    key and the sizes."""
     from transformers import AutoConfig  # here: ~1 s to import (see the module's note)
 
     try:
@@ -264,27 +230,7 @@ def validate_model_layout(p: PolicyConfig, model_path: str, prefix: str = "polic
         first = (str(e).strip().splitlines() or [""])[0]
         raise ConfigError(f"config key '{prefix}.model_name': {model_path} has no config transformers can read: "
                           f"{first}") from None
-    if p.backend == "megatron":
-        m, key = p.megatron_cfg, f"{prefix}.megatron_cfg."
-        check_megatron_experts(hf, f"{prefix}.megatron_cfg", model_path, m.tensor_model_parallel_size,
-                               m.expert_model_parallel_size, m.sequence_parallel)
-        _need(moe_experts(hf) or m.moe_router_replay == "none", key + "moe_router_replay",
-              f"{m.moe_router_replay}, but {model_path} is a dense model (no routers to replay); set it to none")
-        _need(not (moe_experts(hf) and p.lora.enabled), f"{prefix}.lora.enabled",
-              "not with a Mixture-of-Experts model on megatron yet (no adapters on the experts or the router)")
-        _need(not (moe_experts(hf) and m.context_parallel_size > 1), key + "context_parallel_size",
-              f"{m.context_parallel_size}: not with a Mixture-of-Experts model yet (expert parallelism and context "
-              "parallelism both ride on the data-parallel ranks; their combination is not built); set it to 1")
-        check_rope(hf, f"{prefix}.model_name")
-        overlap = m.use_distributed_optimizer and m.distributed_data_parallel_config.overlap_grad_reduce
-        tied_over_stages = m.pipeline_model_parallel_size > 1 and getattr(hf, "tie_word_embeddings", False)
-        _need(not (overlap and tied_over_stages), key + "distributed_data_parallel_config.overlap_grad_reduce",
-              "the model ties its embeddings, whose gradient is summed over the first and last pipeline stages "
-              "before the data-parallel reduction; set it to false with pipeline_model_parallel_size > 1")
-        check_divisible(hf, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                        key + "tensor_model_parallel_size", key + "pipeline_model_parallel_size")
-    else:
-        check_divisible(hf, p.dtensor_cfg.tensor_parallel_size, 1, f"{prefix}.dtensor_cfg.tensor_parallel_size")
+    backend_spec(p.backend).validate_model(p, hf, model_path, prefix)
 
 
 def _validate_generation(g, greedy_ok: bool = False) -> None:
@@ -451,15 +397,14 @@ def _validate_reward_model(r: RewardModelEnvConfig, world: int, files: bool = Tr
         _need(os.path.isdir(r.model_name), key + "model_name",
               f"'{r.model_name}' is not a local directory (a Hugging Face *ForSequenceClassification model)")
         check_model_dir(r.model_name, key + "model_name")
-    _choice(r.backend, key + "backend", sorted(BACKENDS))
+    _choice(r.backend, key + "backend", backend_names())
     _choice(r.precision, key + "precision", PRECISIONS)
     _choice(r.reward_model_cfg.reward_model_type, key + "reward_model_cfg.reward_model_type", ["bradley_terry"])
     _positive(r.batch_size, key + "batch_size")
     _positive(r.max_model_len, key + "max_model_len")
-    check_inactive_degrees(r.dtensor_cfg, r.megatron_cfg, prefix)
+    check_degrees(r, prefix)
     _validate_context_parallel(r.policy_config(), prefix, (key + "max_model_len", r.max_model_len))
-    backend_layout(r.backend, r.dtensor_cfg, r.megatron_cfg, world, prefix,
-                   where=f"the reward model's {world} devices ({key}resources)")
+    policy_layout(r, world, prefix, where=f"the reward model's {world} devices ({key}resources)")
 
 
 # ----------------------------------------------------------------------------------------------- reward-model training

@@ -30,6 +30,7 @@ from nemo_grpo.algorithms.kl import generation_mismatch_metrics, sequence_kl
 from nemo_grpo.algorithms.losses import make_loss
 from nemo_grpo.algorithms.metrics import sample_metrics
 from nemo_grpo.algorithms.rollout import Sample, collate, prompt_text, response_text, run_rollouts
+from nemo_grpo.backends.registry import backend_spec
 from nemo_grpo.batch import StepBatch
 from nemo_grpo.config import MasterConfig, to_yaml
 from nemo_grpo.distributed.node_watch import start_node_watch
@@ -258,13 +259,13 @@ class GRPOTrainer:
     def _old_and_reference_logprobs(self, rows) -> dict[str, torch.Tensor]:
         """The shipped step's "prev_logprobs" [N, T] of the current weights and, with the KL penalty on,
         "reference_policy_logprobs" [N, T]; the workers keep both in their shards for the loss. The training
-        forward replays (policy.megatron_cfg.moe_router_replay) or, without replay, measures its routing against
+        forward replays (the back end's routing replay mode) or, without replay, measures its routing against
         (backends/router.py's agreement metrics) the routes [N, T, L, k] this pass records (old_policy), else the
         engine's (the StepBatch's routed_experts, from an engine that records them)."""
-        policy_cfg = self.cfg.policy
-        replay = policy_cfg.megatron_cfg.moe_router_replay if policy_cfg.backend == "megatron" else "none"
+        spec = backend_spec(self.cfg.policy.backend)
+        replay = spec.router_replay(self.cfg.policy)
         if replay == "engine" and rows.step.routed_experts is None:
-            raise RuntimeError("policy.megatron_cfg.moe_router_replay=engine: the generation engine returned no "
+            raise RuntimeError(f"{spec.router_replay_key()}=engine: the generation engine returned no "
                                f"routes ({type(self.engine).__name__}); use the torch engine")
         if replay == "old_policy":
             out = {"prev_logprobs": self.policy.get_logprobs(rows, return_routes=True, keep="prev_logprobs")[0]}

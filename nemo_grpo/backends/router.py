@@ -53,6 +53,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from nemo_grpo.backends.registry import backend_spec
 from nemo_grpo.errors import require, require_choice
 
 BALANCING_TYPES = ["none", "aux_loss"]
@@ -352,8 +353,8 @@ def validate_router_losses(p, prefix: str = "policy") -> None:
     type, coefficients >= 0, a coefficient only with its loss on, and no coefficient with activation
     checkpointing (Megatron recomputes the router without autograd) or context parallelism (each rank sees a
     share of a micro-batch's tokens)."""
-    megatron = p.backend == "megatron"
-    cfg, key = p.router_losses, f"{prefix}.{'megatron_cfg' if megatron else 'dtensor_cfg'}."
+    spec = backend_spec(p.backend)
+    cfg, key = spec.cfg(p), spec.key(prefix)
     kind = cfg.moe_router_load_balancing_type
     require_choice(kind, key + "moe_router_load_balancing_type", BALANCING_TYPES)
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
@@ -364,10 +365,9 @@ def validate_router_losses(p, prefix: str = "policy") -> None:
             f"{cfg.moe_aux_loss_coeff} with moe_router_load_balancing_type '{kind}': the load-balancing loss is off; "
             "set moe_router_load_balancing_type to aux_loss")
     on = (kind == "aux_loss" and cfg.moe_aux_loss_coeff) or cfg.moe_z_loss_coeff
-    section = p.megatron_cfg if megatron else p.dtensor_cfg
-    require(not (on and section.activation_checkpointing), key + "activation_checkpointing",
+    require(not (on and cfg.activation_checkpointing), key + "activation_checkpointing",
             "not with a router loss (moe_aux_loss_coeff / moe_z_loss_coeff > 0) yet: the recomputed router "
             "would carry no gradient of it; set one of them off")
-    require(not (on and section.context_parallel_size > 1), key + "context_parallel_size",
-            f"{section.context_parallel_size}: not with a router loss (moe_aux_loss_coeff / moe_z_loss_coeff > 0) "
+    require(not (on and cfg.context_parallel_size > 1), key + "context_parallel_size",
+            f"{cfg.context_parallel_size}: not with a router loss (moe_aux_loss_coeff / moe_z_loss_coeff > 0) "
             "yet: each rank sees a share of a micro-batch's tokens; set one of them off")

@@ -36,7 +36,8 @@ from nemo_grpo.backends.router import RouterLosses
 from nemo_grpo.distributed.interfaces import process_group_report
 from nemo_grpo.distributed.spare_workers import RestartableWorker
 from nemo_grpo.distributed.worker_group import init_torch_distributed
-from nemo_grpo.layout import ParallelLayout, policy_layout
+from nemo_grpo.backends.registry import policy_layout
+from nemo_grpo.layout import ParallelLayout
 from nemo_grpo.models import lora
 from nemo_grpo.weights.sender import WeightSender, write_gathered
 from nemo_grpo.weights.transfer import TensorSpec

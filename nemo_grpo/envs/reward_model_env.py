@@ -1,5 +1,5 @@
 """`RewardModelEnvironment`: rewards from a Bradley-Terry reward model (a sequence classifier with one label),
-on either policy back end (`env.reward_model.backend`: dtensor or megatron, TP/PP as configured).
+on either policy back end (`env.reward_model.backend`, its layout as configured).
 
 Each conversation is re-rendered with the reward model's own tokenizer and chat template (the policy's may
 differ), truncated to its last `max_model_len` tokens (counted, never an error), and scored through

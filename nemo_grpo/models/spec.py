@@ -124,44 +124,6 @@ def moe_experts(cfg) -> int:
     return int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0)
 
 
-def check_expert_split(experts: int, ep: int, megatron_key: str, model: str) -> None:
-    """expert_model_parallel_size `ep` splits a model's `experts` per layer evenly, and is 1 for a dense model
-    (experts 0); a one-line ConfigError naming `megatron_key`.expert_model_parallel_size otherwise. Training and
-    the planner both refuse these."""
-    key = f"{megatron_key}.expert_model_parallel_size"
-    if not experts and ep != 1:
-        raise ConfigError(f"config key '{key}': {ep}, but {model} is a dense model (no experts to split); set it to 1")
-    if experts and experts % ep:
-        raise ConfigError(f"config key '{key}': {ep} does not divide the model's {experts} experts")
-
-
-def megatron_moe_unbuilt(experts: int, megatron_key: str, model: str, tp: int, sequence_parallel: bool
-                         ) -> list[str]:
-    """What the Megatron back end does not build yet for a Mixture-of-Experts model (one message per key, each
-    naming it); [] for a dense model or a layout it builds (tp > 1 with sequence parallelism, the experts whole
-    on every TP rank). Training refuses these; the planner sizes them (as Megatron-Core lays them out) and says
-    so in a note."""
-    if not experts:
-        return []
-    key, out = megatron_key + ".", []
-    if tp > 1 and not sequence_parallel:
-        out.append(f"config key '{key}sequence_parallel': false; megatron's Mixture-of-Experts layers ({model}) "
-                   f"under tensor_model_parallel_size {tp} take each TP rank's share of the tokens: set it to true")
-    return out
-
-
-def check_megatron_experts(cfg, megatron_key: str, model: str, tp: int, ep: int, sequence_parallel: bool
-                           ) -> None:
-    """What the Megatron back end builds of a model's experts, a ConfigError naming the key otherwise
-    (`megatron_key`: e.g. policy.megatron_cfg): MoE under TP with sequence_parallel (each expert whole on every
-    TP rank), with an expert_model_parallel_size that divides the experts; 1 for a dense model."""
-    experts = moe_experts(cfg)
-    unbuilt = megatron_moe_unbuilt(experts, megatron_key, model, tp, sequence_parallel)
-    if unbuilt:
-        raise ConfigError(unbuilt[0])
-    check_expert_split(experts, ep, megatron_key, model)
-
-
 def check_divisible(cfg, tp: int, pp: int, tp_key: str, pp_key: Optional[str] = None) -> None:
     """Heads, KV heads and the MLP width must split evenly over tp, the layers over pp; a ConfigError names
     the layout key and every size it does not divide."""

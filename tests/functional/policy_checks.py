@@ -14,6 +14,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from weight_io import export_weights
 
 from nemo_grpo.backends import varlen
+from nemo_grpo.backends.registry import backend_spec
 from nemo_grpo.config import ClusterConfig, PolicyConfig
 from nemo_grpo.policy import Policy
 
@@ -118,7 +119,7 @@ def check_routes_match_hf(policy: Policy, path: str, batch: dict) -> torch.Tenso
 
 
 def _router_coefficients(cfg: PolicyConfig) -> tuple[float, float]:
-    r = cfg.router_losses
+    r = backend_spec(cfg.backend).cfg(cfg)
     return (r.moe_aux_loss_coeff if r.moe_router_load_balancing_type == "aux_loss" else 0.0), r.moe_z_loss_coeff or 0.0
 
 
@@ -220,7 +221,7 @@ def assert_router_metrics(metrics: dict, model, batch: dict, cfg: PolicyConfig) 
     with torch.no_grad():
         aux, z, imbalance = hf_router_terms(model, batch)
     assert abs(metrics["moe/aux_loss"] - float(aux)) <= 1e-5, (metrics["moe/aux_loss"], float(aux))
-    assert ("moe/z_loss" in metrics) == bool(cfg.router_losses.moe_z_loss_coeff)
+    assert ("moe/z_loss" in metrics) == bool(backend_spec(cfg.backend).cfg(cfg).moe_z_loss_coeff)
     assert abs(metrics.get("moe/z_loss", float(z)) - float(z)) <= 1e-5
     assert metrics["moe/load_imbalance"] == pytest.approx(imbalance, rel=1e-6)
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from nemo_grpo.planning import activations as act
-from nemo_grpo.planning.params import decoder_spec, hf_config, megatron_stage_params
+from nemo_grpo.backends import activations as act
+from nemo_grpo.backends.mcore.memory import megatron_stage_params
+from nemo_grpo.planning.params import decoder_spec, hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,

@@ -14,10 +14,12 @@ from nemo_grpo.backends.mcore import weights
 from nemo_grpo.config import PolicyConfig
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.models.experts import fused_expert_names, unfuse_experts
-from nemo_grpo.layout import policy_layout
+from nemo_grpo.backends.registry import policy_layout
 from nemo_grpo.models.spec import hf_tensors, model_spec, moe_experts
 from nemo_grpo.models.tiny import tiny_config
-from nemo_grpo.planning.params import active_params, decoder_spec, hf_config, megatron_stage_split, total_params
+from nemo_grpo.backends.mcore.memory import megatron_stage_split
+from nemo_grpo.models.counts import active_params, total_params
+from nemo_grpo.planning.params import decoder_spec, hf_config
 from nemo_grpo.validation import validate_model_layout
 
 
@@ -105,7 +107,7 @@ def test_moe_parameter_counts_match_the_published_models(name, total, active):
     device: 30.5B total / 3.3B active and 235B / 22B, as Qwen publishes them; the Megatron split into non-expert
     and expert parameters against HF's expert tensors."""
     cfg = hf_config(name, "policy.model_name")
-    spec = decoder_spec(cfg, scalar_head=False, megatron=False)
+    spec = decoder_spec(cfg, scalar_head=False, any_rope=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     assert total_params(spec) == sum(p.numel() for p in model.parameters())

@@ -14,10 +14,12 @@ import torch
 from nemo_grpo.config import ConfigError
 from nemo_grpo.plan import main as plan_main
 from nemo_grpo.plan import plan_recipe
-from nemo_grpo.planning import activations as act
+from nemo_grpo.backends import activations as act
+from nemo_grpo.backends.dtensor.memory import dtensor_rank_params
+from nemo_grpo.backends.mcore.memory import megatron_stage_params
+from nemo_grpo.models.counts import total_params
 from nemo_grpo.planning.memory import GIB, RUNTIME_RESERVE_GIB
-from nemo_grpo.planning.params import (KNOWN_MODELS, decoder_spec, dtensor_rank_params, hf_config,
-                                       megatron_stage_params, total_params)
+from nemo_grpo.planning.params import KNOWN_MODELS, decoder_spec, hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -280,7 +282,7 @@ def test_model_errors_name_the_key(capsys, tmp_path):
 
 
 def test_known_models_are_sized_like_their_published_configs():
-    sizes = {name: total_params(decoder_spec(hf_config(f"/x/{name}", "k"), False, megatron=False))
+    sizes = {name: total_params(decoder_spec(hf_config(f"/x/{name}", "k"), False, any_rope=True))
              for name in KNOWN_MODELS}
     assert sizes["qwen2.5-1.5b"] == 1_543_714_304 and sizes["llama-3.3-70b"] == 70_553_706_496
     assert sizes["qwen3-32b"] == sizes["qwen3-32b-yarn"] == 32_762_123_264  # Qwen3-32B's model card: 32.8B
@@ -342,7 +344,7 @@ def test_lora_adapters_are_peft_s():
 
     from nemo_grpo.config import LoraConfig
     from nemo_grpo.models.lora import LINEAR_LAYERS, peft_config
-    from nemo_grpo.planning.params import lora_layer_params
+    from nemo_grpo.models.counts import lora_layer_params
 
     with torch.device("meta"):
         model = peft.get_peft_model(LlamaForCausalLM(_llama()), peft_config(LoraConfig(enabled=True, rank=4)))

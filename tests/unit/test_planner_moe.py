@@ -9,8 +9,10 @@ from transformers import Qwen3MoeConfig
 
 from nemo_grpo.plan import main as plan_main
 from nemo_grpo.plan import plan_recipe
-from nemo_grpo.planning import activations as act
-from nemo_grpo.planning.params import decoder_spec, hf_config, megatron_stage_split, total_params
+from nemo_grpo.backends import activations as act
+from nemo_grpo.backends.mcore.memory import megatron_stage_split
+from nemo_grpo.models.counts import total_params
+from nemo_grpo.planning.params import decoder_spec, hf_config
 from nemo_grpo.validation import validate_model_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

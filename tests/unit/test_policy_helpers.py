@@ -10,7 +10,8 @@ from nemo_grpo.backends.dtensor.parallelize import grad_norm
 from nemo_grpo.backends.optimizer import clip_coefficient, lr_warmup_factor
 from nemo_grpo.config import ClusterConfig, PolicyConfig
 from nemo_grpo.errors import ConfigError
-from nemo_grpo.layout import ParallelLayout, policy_layout
+from nemo_grpo.backends.registry import policy_layout
+from nemo_grpo.layout import ParallelLayout
 from nemo_grpo.policy import Policy, ShippedRows, dp_row_order
 from nemo_grpo.weights.transfer import plan_buckets
 

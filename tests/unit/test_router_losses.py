@@ -9,6 +9,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from nemo_grpo.backends.router import (RouterLosses, expert_counts, load_balancing_loss, load_imbalance,
                                        routing_matches, validate_router_losses, z_loss)
+from nemo_grpo.backends.registry import backend_spec
 from nemo_grpo.config import PolicyConfig
 from nemo_grpo.errors import ConfigError
 
@@ -106,7 +107,7 @@ def test_micro_batches_weigh_by_their_real_tokens():
 def test_router_loss_keys_are_checked(backend, overrides, key, message):
     p = PolicyConfig(backend=backend)
     for name, value in overrides.items():
-        setattr(p.router_losses, name, value)
+        setattr(backend_spec(p.backend).cfg(p), name, value)
     with pytest.raises(ConfigError, match=f"config key 'policy.{key}': {message}"):
         validate_router_losses(p)
     validate_router_losses(PolicyConfig(backend=backend))  # the defaults pass
