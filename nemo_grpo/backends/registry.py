@@ -38,9 +38,13 @@ class BackendSpec:
         """Its section of a policy-like config `p` (policy.*, a reward model's section)."""
         return getattr(p, self.section)
 
+    def section_key(self, prefix: str = "policy") -> str:
+        """The dotted key of its section under `prefix`: policy.<section>."""
+        return f"{prefix}.{self.section}"
+
     def key(self, prefix: str, name: str = "") -> str:
         """The dotted key of `name` in its section under `prefix`: policy.<section>.<name>."""
-        return f"{prefix}.{self.section}.{name}"
+        return f"{self.section_key(prefix)}.{name}"
 
     def degree(self, p, name: str) -> Optional[int]:
         """The configured degree `name` (tp, pp, cp, dp) of `p`; 1 for one the back end does not have."""

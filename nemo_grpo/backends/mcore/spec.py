@@ -138,7 +138,7 @@ class MegatronSpec(BackendSpec):
         """Its experts (MoE under TP with sequence parallelism, ep dividing them), routing replay on a MoE model,
         LoRA and CP on dense ones only, its RoPE, tied embeddings over stages, and tp / pp splitting the sizes."""
         m, key = self.cfg(p), self.key(prefix)
-        check_megatron_experts(hf, key[:-1], model_path, m.tensor_model_parallel_size,
+        check_megatron_experts(hf, self.section_key(prefix), model_path, m.tensor_model_parallel_size,
                                m.expert_model_parallel_size, m.sequence_parallel)
         _need(moe_experts(hf) or m.moe_router_replay == "none", key + "moe_router_replay",
               f"{m.moe_router_replay}, but {model_path} is a dense model (no routers to replay); set it to none")
@@ -168,8 +168,8 @@ class MegatronSpec(BackendSpec):
         """At its tp and pp (which must split the model), with a RoPE it builds and ep dividing the experts."""
         m = self.cfg(p)
         spec = model_spec(hf, m.tensor_model_parallel_size, m.pipeline_model_parallel_size, scalar_head=scalar_head,
-                          layout_key=self.key(prefix)[:-1])
-        check_expert_split(spec.experts, m.expert_model_parallel_size, self.key(prefix)[:-1], p.model_name)
+                          layout_key=self.section_key(prefix))
+        check_expert_split(spec.experts, m.expert_model_parallel_size, self.section_key(prefix), p.model_name)
         return spec
 
     def plan_devices(self, p, spec, workload, world: int) -> tuple[list, dict[str, float]]:
@@ -197,7 +197,7 @@ class MegatronSpec(BackendSpec):
                  f"(expert TP 1); expert data parallel {edp} (tp x cp x dp / ep), the group their gradients are "
                  f"reduced over{sharded}"]
         return notes + [f"training refuses this layout today: {u}" for u in megatron_moe_unbuilt(
-            spec.experts, self.key("policy")[:-1], p.model_name, layout.tp, m.sequence_parallel)]
+            spec.experts, self.section_key(), p.model_name, layout.tp, m.sequence_parallel)]
 
 
 SPEC = MegatronSpec()
