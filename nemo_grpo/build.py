@@ -16,7 +16,8 @@ from nemo_grpo.config import EvalMasterConfig, MasterConfig, read_config, to_dic
 from nemo_grpo.data.datasets import load_problems
 from nemo_grpo.data.prompts import PromptLoader, build_prompts, read_prompt_files
 from nemo_grpo.distributed.cluster import init_ray
-from nemo_grpo.distributed.resource_plan import engine_replicas, plan_resources, replicas_per_node, reserve
+from nemo_grpo.distributed.resource_plan import (check_num_replicas, engine_replicas, plan_resources,
+                                                 replicas_per_node, reserve)
 from nemo_grpo.distributed.shared_storage import check_shared_directory
 from nemo_grpo.envs import create_env
 from nemo_grpo.errors import DataError
@@ -165,9 +166,11 @@ def eval_problems(cfg: EvalMasterConfig) -> list:
 
 def eval_replicas(cfg: EvalMasterConfig) -> int:
     """Engine replicas of an evaluation: every device of the cluster / the engine's TP (Ray places them: each
-    asks for its TP devices on GPUs)."""
-    tp, c = cfg.policy.generation.vllm_cfg.tensor_parallel_size, cfg.cluster
-    return c.num_nodes * replicas_per_node(c.gpus_per_node, tp, "the cluster (cluster.gpus_per_node)")
+    asks for its TP devices on GPUs), or policy.generation.num_replicas of them."""
+    tp, c, n = cfg.policy.generation.vllm_cfg.tensor_parallel_size, cfg.cluster, cfg.policy.generation.num_replicas
+    every = c.num_nodes * replicas_per_node(c.gpus_per_node, tp, "the cluster (cluster.gpus_per_node)")
+    check_num_replicas(n, every)
+    return every if n is None else n
 
 
 def build_evaluator(cfg: EvalMasterConfig, *, log_to_driver: bool = True) -> Evaluator:

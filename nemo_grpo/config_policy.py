@@ -124,6 +124,11 @@ class GenerationConfig:
     stop_strings: Optional[list[str]] = None  # generation stops after any of these (kept in the response)
     stop_token_ids: Optional[list[int]] = None  # besides the tokenizer's EOS
     refit_bucket_size_mb: float = 256.0  # weights travel to the engine in buckets of about this size
+    # engine replicas; null: one per vllm_cfg.tensor_parallel_size devices of generation (colocated: the
+    # policy's), every device generating. N: the first N of those, node by node (fewer replicas: less memory,
+    # each holds the weights and a KV cache, on a CPU VLLM_CPU_KVCACHE_SPACE GiB of host memory; fewer
+    # start-ups and refits where generation is short). Samples do not depend on it (seeded per request)
+    num_replicas: Optional[int] = None
     colocated: ColocatedConfig = field(default_factory=ColocatedConfig)
     vllm_cfg: VllmConfig = field(default_factory=VllmConfig)
 

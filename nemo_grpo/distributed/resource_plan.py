@@ -8,7 +8,7 @@ resources.num_nodes, using resources.gpus_per_node of each, default all); the ot
 Node indices: the policy first (0..p-1, so policy rank 0 is on node 0), then generation, then the reward model.
 The generation engine runs as data-parallel replicas of policy.generation.vllm_cfg.tensor_parallel_size devices
 each, one replica per TP group of every generation device (colocated: the policy's; else generation's own), each
-replica within one node (`ResourcePlan.generation_replicas`).
+replica within one node (`ResourcePlan.generation_replicas`); policy.generation.num_replicas keeps the first N.
 
 `reserve(plan)` makes one placement group per role, one bundle per device, each bundle pinned to its planned
 node with a per-bundle label selector on Ray's node-id label. The planned node index i is the i-th alive
@@ -38,6 +38,7 @@ RESERVE_TIMEOUT_S = 120.0
 RM_KEY = "env.reward_model.resources"
 GEN_KEY = "policy.generation.colocated.resources"
 TP_KEY = "policy.generation.vllm_cfg.tensor_parallel_size"
+REPLICAS_KEY = "policy.generation.num_replicas"
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class ResourcePlan:
     num_nodes: int = 1
     gpus_per_node: int = 0  # cluster.gpus_per_node: devices each planned node must have (0: what its roles use)
     generation_tp: int = 1  # policy.generation.vllm_cfg.tensor_parallel_size: the devices of one engine replica
+    num_replicas: Optional[int] = None  # policy.generation.num_replicas: the first N replicas only (None: all)
 
     def placement_of(self, role: str) -> Placement:
         """The placement a role runs on (colocated generation: the policy's)."""
@@ -86,10 +88,13 @@ class ResourcePlan:
 
     def generation_replicas(self) -> list[Optional[int]]:
         """The planned node of each generation engine replica, node by node: gpus_per_node / generation_tp on
-        each node of generation's placement (colocated: the policy's); [None] (one replica, anywhere) for a
-        separate engine that reserves no devices."""
+        each node of generation's placement (colocated: the policy's), the first num_replicas of them when set;
+        [None] (one replica, anywhere) for a separate engine that reserves no devices."""
         if not self.colocated_generation and "generation" not in self.placements:
             return [None]
+        return self._all_replicas()[: self.num_replicas]
+
+    def _all_replicas(self) -> list[int]:
         p = self.placement_of("generation")
         return [node for node in p.nodes for _ in range(p.gpus_per_node // self.generation_tp)]  # (divides: planned)
 
@@ -109,9 +114,13 @@ class ResourcePlan:
         replicas = self.generation_replicas()
         if replicas == [None]:
             return "generation engine: 1 replica, on an actor without devices (generation's resources unset)"
-        nodes = self.placement_of("generation").nodes
+        nodes = tuple(dict.fromkeys(replicas))
+        counts = [replicas.count(node) for node in nodes]
+        per_node = str(counts[0]) if len(set(counts)) == 1 else "/".join(map(str, counts))  # (uneven: "2/1")
+        capped = (f" (policy.generation.num_replicas {len(replicas)} of {len(self._all_replicas())})"
+                  if self.num_replicas is not None else "")
         return (f"generation engine: {counted(len(replicas), 'replica')} of TP {self.generation_tp}, "
-                f"{len(replicas) // len(nodes)} per node on nodes {node_list(nodes)}")
+                f"{per_node} per node on nodes {node_list(nodes)}{capped}")
 
 
 def node_list(nodes: tuple[int, ...]) -> str:
@@ -159,7 +168,8 @@ def plan_resources(cfg: MasterConfig) -> ResourcePlan:
     placements = plan(cfg, dedicated)
     resources = ResourcePlan(placements=placements, colocated_generation=cfg.policy.generation.colocated.enabled,
                              num_nodes=c.num_nodes, gpus_per_node=c.gpus_per_node,
-                             generation_tp=cfg.policy.generation.vllm_cfg.tensor_parallel_size)
+                             generation_tp=cfg.policy.generation.vllm_cfg.tensor_parallel_size,
+                             num_replicas=cfg.policy.generation.num_replicas)
     _check_replicas(resources)
     return resources
 
@@ -167,10 +177,24 @@ def plan_resources(cfg: MasterConfig) -> ResourcePlan:
 def _check_replicas(plan: ResourcePlan) -> None:
     """Every engine replica within one node: the TP size divides the generation devices of each node."""
     _positive(plan.generation_tp, TP_KEY)  # (validation rejects it first; the plan does not rely on that)
+    _positive(plan.num_replicas, REPLICAS_KEY)
     if plan.generation_replicas() == [None]:
+        if plan.num_replicas is not None and plan.num_replicas > 1:
+            _fail(REPLICAS_KEY, f"{plan.num_replicas}, but a separate engine without devices of its own "
+                                f"({GEN_KEY} unset) runs 1 replica")
         return
     where = "the policy's (colocated generation)" if plan.colocated_generation else "generation's own"
     replicas_per_node(plan.placement_of("generation").gpus_per_node, plan.generation_tp, where)
+    check_num_replicas(plan.num_replicas, len(plan._all_replicas()))
+
+
+def check_num_replicas(num_replicas: Optional[int], available: int) -> None:
+    """policy.generation.num_replicas > 0 and at most the `available` replicas of the generation devices, else
+    a ConfigError naming the key."""
+    _positive(num_replicas, REPLICAS_KEY)
+    if num_replicas is not None and num_replicas > available:
+        _fail(REPLICAS_KEY, f"{num_replicas} > the {available} replicas that generation's devices hold "
+                            f"(one per {TP_KEY} devices)")
 
 
 def replicas_per_node(devices: int, tp: int, where: str) -> int:

@@ -114,3 +114,6 @@ def test_eval_runs_an_engine_replica_per_tp_group_of_every_cluster_device():
                                           r"8 devices per node of the cluster \(cluster.gpus_per_node\)"):
         eval_replicas(load_eval_config(path, ["cluster.gpus_per_node=8",
                                               "policy.generation.vllm_cfg.tensor_parallel_size=3"]))
+    assert eval_replicas(load_eval_config(path, ["cluster.gpus_per_node=8", "policy.generation.num_replicas=2"])) == 2
+    with pytest.raises(ConfigError, match=r"'policy.generation.num_replicas': 9 > the 8 replicas"):
+        eval_replicas(load_eval_config(path, ["cluster.gpus_per_node=8", "policy.generation.num_replicas=9"]))

@@ -165,6 +165,24 @@ def test_non_colocated_without_resources_is_one_replica_anywhere():
                                                 "(generation's resources unset)")
 
 
+def test_num_replicas_keeps_the_first_replicas_node_by_node():
+    plan = plan_resources(config(["cluster.gpus_per_node=2", "cluster.num_nodes=2",
+                                  "policy.generation.num_replicas=3"]))
+    assert plan.generation_replicas() == [0, 0, 1]
+    assert plan.describe_replicas() == ("generation engine: 3 replicas of TP 1, 2/1 per node on nodes 0-1 "
+                                        "(policy.generation.num_replicas 3 of 4)")
+    one = plan_resources(config(["cluster.gpus_per_node=2", "cluster.num_nodes=1", "policy.generation.num_replicas=1"]))
+    assert one.generation_replicas() == [0]
+    assert one.describe_replicas() == ("generation engine: 1 replica of TP 1, 1 per node on nodes 0 "
+                                       "(policy.generation.num_replicas 1 of 2)")
+    key = "config key 'policy.generation.num_replicas'"
+    assert _plan_error(ONE_NODE, ["policy.generation.num_replicas=9"]) == (
+        f"{key}: 9 > the 8 replicas that generation's devices hold (one per {TP} devices)")
+    assert _plan_error(ONE_NODE, ["policy.generation.num_replicas=0"]) == f"{key}: must be > 0, got 0"
+    assert _plan_error(ONE_NODE, NON_COLOCATED, ["policy.generation.num_replicas=2"]).startswith(
+        f"{key}: 2, but a separate engine without devices of its own")
+
+
 def test_tp_that_does_not_divide_a_nodes_devices():
     msg = _plan_error(ONE_NODE, [f"{TP}=3"])
     assert msg.startswith(f"config key '{TP}': 3 does not divide the 8 devices per node of the policy's")
