@@ -10,6 +10,13 @@ from train_runs import (builtin_model_cache, first_and_last_10, policy_expected_
                         summary, train_in_process)
 
 
+# One engine replica in the learning runs below (the recipes run one per policy device): their figures were measured
+# with one, and the samples are the same with any count (seeded per request), so a run saves a replica's start-up
+# and half its refits and learns exactly as with two. Replicas stay covered: the resume test here (two torch
+# replicas), the default recipe's user runs (test_user_runs.py), test_refit.py, test_placement.py, tests/multinode.
+ONE_REPLICA = "policy.generation.num_replicas=1"
+
+
 @pytest.mark.slow
 def test_resume_continues_exactly(ray_cluster, run_actors_pool, tmp_path):
     """4 steps straight vs 2 steps, a new trainer resuming from the step-2 checkpoint, 2 more. (A SIGKILLed
@@ -70,7 +77,8 @@ def test_grpo_against_a_reward_model_trained_here(ray_cluster, run_actors_pool, 
     assert val[-1]["accuracy"] >= 0.8, val
     trainer, _ = train_in_process(tmp_path / "grpo", f"env.reward_model.model_name={rm_dir}/hf",
                                   f"grpo.max_num_steps={RM_STEPS}", "grpo.val_period=0", "grpo.val_at_start=false",
-                                  "grpo.val_at_end=false", "logger.plot=false", config="configs/grpo_rm_tiny_cpu.yaml",
+                                  "grpo.val_at_end=false", "logger.plot=false", ONE_REPLICA,
+                                  config="configs/grpo_rm_tiny_cpu.yaml",
                                   pool=run_actors_pool)
     first, last = first_and_last_10([r["reward"] for r in trainer.history])
     assert last - first >= RM_GAIN, (first, last)
@@ -91,7 +99,8 @@ CODE_STEPS = 20
 def test_code_recipe_learns(ray_cluster, run_actors_pool, tmp_path):
     """GRPO with the code environment: programs run in the sandbox; greedy accuracy and reward rise."""
     trainer, _ = train_in_process(tmp_path, "logger.plot=false", f"grpo.max_num_steps={CODE_STEPS}",
-                                  f"grpo.val_period={CODE_STEPS}", config="configs/grpo_code_tiny_cpu.yaml",
+                                  f"grpo.val_period={CODE_STEPS}", ONE_REPLICA,
+                                  config="configs/grpo_code_tiny_cpu.yaml",
                                   pool=run_actors_pool)
     rewards = [r["reward"] for r in trainer.history]
     first, last = first_and_last_10(rewards)
@@ -111,7 +120,7 @@ OBJECTIVES = {
     "lora": [],  # configs/grpo_tiny_lora_cpu.yaml: rank 8 on every linear layer, the default objective
 }
 SHORT_RUN = ["policy.train_global_batch_size=64", "grpo.val_period=0", "grpo.val_at_start=false",
-             "grpo.val_at_end=false", "checkpointing.enabled=false", "logger.plot=false"]
+             "grpo.val_at_end=false", "checkpointing.enabled=false", "logger.plot=false", ONE_REPLICA]
 LEARNING_STEPS = 60
 # The learning signal: the policy's exact expected reward on the 100 problems (policy_expected_reward, from 0.265)
 # after LEARNING_STEPS steps minus before. Measured gains after 20 / 40 / 60 steps, seeds 1, 2, 3 (grpo.seed):
