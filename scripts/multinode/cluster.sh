@@ -62,6 +62,8 @@ write_configs() {
     echo "AuthType=auth/munge"
     # a requeued job waits out the credential's lifetime before it starts again (default 120 s; real clusters keep it)
     echo "AuthInfo=cred_expire=10"
+    # and then starts at the backfill scheduler's next pass (default every 30 s): every second here
+    echo "SchedulerParameters=bf_interval=1"
     echo "ProctrackType=proctrack/linuxproc"
     echo "TaskPlugin=task/none"
     echo "SelectType=select/linear"
