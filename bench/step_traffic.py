@@ -1,15 +1,16 @@
 """What the driver ships to its actors in one GRPO step, in bytes per actor method, and the step's time split.
 
     python bench/step_traffic.py                                   # the default recipe, 8 steps (~1 min)
-    python bench/step_traffic.py --model builtin:smollm2-135m-instruct --steps 4 \
-        policy.generation.max_new_tokens=48 grpo.num_prompts_per_step=4 policy.train_global_batch_size=32
+    python bench/step_traffic.py --config configs/grpo_smollm2_arith_cpu.yaml --model builtin:smollm2-135m-instruct \
+        --steps 3 --warmup 1 grpo.num_prompts_per_step=4 policy.train_global_batch_size=32 \
+        policy.generation.max_new_tokens=64
 
 Runs the recipe (`--config`, default configs/grpo_tiny_cpu.yaml, plus any dotted overrides) in this process,
 without validation or checkpoints, and counts every payload the driver hands to Ray: the arguments of each
 actor method call (`ActorMethod._remote`) and each `ray.put` (named by the
 public nemo_grpo function that made it). A payload's bytes are its tensors' bytes plus
 its strings' UTF-8 bytes plus the pickled size of any other object (numbers, configs, the loss function); an
-ObjectRef counts nothing where it is passed (its object was counted at its `ray.put`). Per method: MiB per
+ObjectRef counts nothing where it is passed (its object was counted at its `ray.put`). Per method: KiB per
 step (mean over the steps after --warmup). Seconds: the median of the trainer's own timer sections.
 """
 
@@ -130,11 +131,11 @@ def main() -> None:
     torch.set_num_threads(1)
     traffic, timings = run(args)
     methods = sorted({m for t in traffic for m in t}, key=lambda m: -sum(t.get(m, 0) for t in traffic))
-    print(f"\n{args.model}: {len(traffic)} steps after {args.warmup} warm-up; MiB the driver ships per step")
-    print("| method | MiB / step |\n|---|---|")
+    print(f"\n{args.model}: {len(traffic)} steps after {args.warmup} warm-up; KiB the driver ships per step")
+    print("| method | KiB / step |\n|---|---|")
     for m in methods:
-        print(f"| {m} | {statistics.mean(t.get(m, 0) for t in traffic) / 2**20:.3f} |")
-    print(f"| **all** | {statistics.mean(sum(t.values()) for t in traffic) / 2**20:.3f} |")
+        print(f"| {m} | {statistics.mean(t.get(m, 0) for t in traffic) / 2**10:.1f} |")
+    print(f"| **all** | {statistics.mean(sum(t.values()) for t in traffic) / 2**10:.1f} |")
     print("\n| section | median s / step |\n|---|---|")
     for k in SECTIONS:
         print(f"| {k} | {statistics.median(t.get(k, 0.0) for t in timings):.3f} |")
