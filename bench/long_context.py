@@ -56,7 +56,7 @@ def measure_on_worker(worker, length: int, repeats: int) -> dict:
     batch = {"input_ids": torch.randint(3, MODEL["vocab_size"], (1, length), generator=g),
              "input_lengths": torch.tensor([length]), "token_mask": torch.ones(1, length),
              "sample_mask": torch.ones(1)}
-    worker.model.train()
+    worker.engine.model.train()
 
     def step():
         worker._train_step(batch, MeanLogprobLoss(), 1.0, float(length))

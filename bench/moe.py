@@ -93,7 +93,7 @@ def _profiled_split(worker, call) -> dict:
     """CPU seconds of one call in the all-to-all collectives, in the experts (forward + backward) and in the
     all-reduces (the gradient sums), with the wall seconds of that call; the op names counted as all-to-all,
     to check what was matched."""
-    handles = _expert_ranges(worker.model)
+    handles = _expert_ranges(worker.engine.model)
     start = time.perf_counter()
     with _collective_ranges(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         call()
@@ -118,10 +118,10 @@ def measure_on_worker(worker, rows: int, tokens: int, repeats: int) -> dict:
     batch = {"input_ids": torch.randint(3, MODEL["vocab_size"], (rows, tokens), generator=g),
              "input_lengths": torch.full((rows,), tokens), "token_mask": torch.ones(rows, tokens),
              "sample_mask": torch.ones(rows)}
-    total_rows = rows * worker.dp_size
+    total_rows = rows * worker.engine.dp_size
 
     def train():
-        worker.model.train()
+        worker.engine.model.train()
         worker._train_step(batch, MeanLogprobLoss(), float(total_rows), float(total_rows * tokens), None,
                            float(total_rows * tokens))
 
@@ -147,7 +147,7 @@ def measure_on_worker(worker, rows: int, tokens: int, repeats: int) -> dict:
 
 
 def _local_experts(worker) -> int:
-    return sum(1 for n in worker.params if n.startswith("decoder.layers.0.mlp.experts.") and n.endswith("fc1.weight"))
+    return sum(1 for n in worker.engine.params if n.startswith("decoder.layers.0.mlp.experts.") and n.endswith("fc1.weight"))
 
 
 def measure(path: str, ep: int, rows: int, tokens: int, repeats: int) -> dict:

@@ -18,6 +18,23 @@ torch.set_num_threads(1)
 SPARE_WORKERS = 8  # torn-down policy workers kept for restarts in place (nemo_grpo/distributed/spare_workers.py)
 
 
+def policy_recycling():
+    """How the session recycles PolicyActors (spare_workers.Recycling): a policy rank's actor is closed (its
+    engine lets go of Megatron's model-parallel state) and its process's kernel call counts, which describe the
+    rank it hosted, start again from zero; a kept group is restarted only for a policy of the same back end."""
+
+    def release(actor) -> None:  # (a nested function: it travels to the actors by value)
+        from nemo_grpo.backends import context_parallel, varlen
+
+        actor.close()
+        varlen.CALLS.clear()
+        context_parallel.CALLS.clear()
+
+    from nemo_grpo.distributed.spare_workers import Recycling
+
+    return Recycling(teardown=release, kind=lambda kwargs: kwargs["cfg"].backend)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """The session's Ray cluster: 8 CPU slots for the tests' actors and SPARE_WORKERS more for the spare workers,
@@ -26,11 +43,12 @@ def ray_cluster():
     start-up is most of a tiny policy's)."""
     import ray
 
+    from nemo_grpo.backends.actor import PolicyActor
     from nemo_grpo.distributed import spare_workers
     from nemo_grpo.distributed.cluster import init_ray
 
     init_ray(num_cpus=8 + SPARE_WORKERS)
-    spares = spare_workers.SpareWorkers(max_workers=SPARE_WORKERS)
+    spares = spare_workers.SpareWorkers(max_workers=SPARE_WORKERS, recycle={PolicyActor: policy_recycling()})
     previous = spare_workers.install(spares)
     yield
     spare_workers.install(previous)

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 class BradleyTerryLoss:
     """scores [b] (rows chosen, rejected, ...) -> sum over the micro-batch's pairs of -log sigmoid(r_c - r_r),
-    divided by the global pair count: an additive contribution, as every loss here (backends/worker.py)."""
+    divided by the global pair count: an additive contribution, as every loss here (backends/actor.py)."""
 
     def __call__(self, scores: torch.Tensor, mb: dict, global_valid_seqs: torch.Tensor, global_valid_toks):
         if scores.dim() != 1 or scores.shape[0] % 2:

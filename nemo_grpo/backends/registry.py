@@ -5,10 +5,10 @@ Validation, the planner and the trainer ask the spec of `policy.backend` and nev
     spec = backend_spec(cfg.policy.backend)         # ValueError listing the known names
     spec.section                                     # its config section's key in policy.* (and a reward model's)
     spec.layout(cfg.policy, world=4)                 # its ParallelLayout (ConfigError naming its keys)
-    spec.worker_class()                              # its PolicyWorker subclass, imported only here
+    spec.engine_class()                              # its PolicyEngine subclass, imported only here
 
 A spec module is light (no torch.distributed, no Megatron at its top): the driver imports it to validate and
-plan; the worker class is imported on first use.
+plan; the engine class (and PolicyActor, the one Ray actor class that runs it) is imported on first use.
 """
 
 from __future__ import annotations
@@ -24,13 +24,16 @@ BACKENDS = {
     "megatron": "nemo_grpo.backends.mcore.spec:SPEC",
 }
 
+# the one Ray actor class of every back end, loaded by name (it imports this module)
+ACTOR = "nemo_grpo.backends.actor:PolicyActor"
+
 
 class BackendSpec:
     """What a back end is to the rest of the house: its config section, its layout keys, its rules, its memory
     model and what it builds. A subclass sets the class attributes and overrides the hooks that differ."""
     name: str = ""  # its policy.backend value
     section: str = ""  # its config section in policy.* (and in a reward model's section)
-    worker: str = ""  # "module:Class" of its PolicyWorker
+    engine: str = ""  # "module:Class" of its PolicyEngine (backends/engine.py)
     degree_keys: dict[str, str] = {}  # degree (tp, pp, cp, dp) -> its key in the section; a degree not here is 1
     features: frozenset[str] = frozenset()  # what it builds: pp, ep, cp, sequence_parallel, router_replay, lora
 
@@ -51,8 +54,13 @@ class BackendSpec:
         return getattr(self.cfg(p), self.degree_keys[name]) if name in self.degree_keys else 1
 
     def worker_class(self):
-        """Its PolicyWorker subclass (imports torch.distributed and the back end's framework)."""
-        return load_registered({self.name: self.worker}, self.name, "policy.backend")
+        """The Ray actor class of its ranks: PolicyActor (backends/actor.py), the same for every back end, which
+        runs engine_class()."""
+        return load_registered({self.name: ACTOR}, self.name, "policy.backend")
+
+    def engine_class(self):
+        """Its PolicyEngine subclass (imports torch.distributed and the back end's framework)."""
+        return load_registered({self.name: self.engine}, self.name, "policy.backend")
 
     # ------------------------------------------------------------------------------------ layout
     def layout(self, p, world: int, prefix: str = "policy", where: str = "") -> ParallelLayout:

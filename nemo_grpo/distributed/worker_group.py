@@ -11,8 +11,9 @@ worker's constructor joins the process group with `init_torch_distributed()`, as
     group.run_each("method", [(a0,), (a1,)])   # per-rank arguments -> list of ObjectRefs
     group.shutdown()                           # kills the actors, frees the bundles; safe twice
 
-Where spare workers are installed (spare_workers.py: the test suite), shutdown tears the actors down and keeps
-them, and the next group of the same worker class, size and environment restarts them in place.
+Where spare workers are installed (spare_workers.py: the test suite) and recycle `worker_cls`, shutdown tears the
+actors down and keeps them, and the next group of the same worker class (and kind), size and environment restarts
+them in place.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from nemo_grpo.distributed import spare_workers
 from nemo_grpo.distributed.cluster import WORKER_ENV
 from nemo_grpo.distributed.interfaces import bind_interface
-from nemo_grpo.distributed.spare_workers import RestartableWorker, kill_actors
+from nemo_grpo.distributed.spare_workers import kill_actors
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +129,11 @@ class WorkerGroup:
         env = {**WORKER_ENV, **(env_vars or {}), "OMP_NUM_THREADS": str(cluster.num_threads_per_worker),
                "MKL_NUM_THREADS": str(cluster.num_threads_per_worker)}
         # spare_workers.py: a torn-down group of this kind, if installed and one waits, is restarted in place
-        recyclable = self._owns_pg and issubclass(worker_cls, RestartableWorker)
-        self._spare_key = (worker_cls, self.world_size, self.local_world_size, self.use_gpus,
-                           tuple(sorted(env.items()))) if recyclable else None
-        spares = spare_workers.installed() if recyclable else None
-        spare = spares.take(self._spare_key) if spares is not None else None
+        spares = spare_workers.installed() if self._owns_pg else None
+        self._spare_key = spares.key(worker_cls, kwargs or {}, self.world_size, self.local_world_size,
+                                     self.use_gpus, tuple(sorted(env.items()))) if spares is not None else None
+        self._teardown = spares.recycle[worker_cls].teardown if self._spare_key is not None else None
+        spare = spares.take(self._spare_key) if self._spare_key is not None else None
         if spare:
             self._pg = spare.placement_group
         else:
@@ -141,7 +142,8 @@ class WorkerGroup:
         rank_envs = [self._rank_env(env, rank, master_addr, master_port) for rank in range(self.world_size)]
         if spare:
             self.actors = spare.actors
-            starts = [a.restart.remote(e, args, kwargs or {}) for a, e in zip(self.actors, rank_envs)]
+            starts = [a.__ray_call__.remote(spare_workers.restart, e, args, kwargs or {})
+                      for a, e in zip(self.actors, rank_envs)]
         else:
             self.actors = [self._start_actor(worker_cls, rank, rank_envs[rank], args, kwargs or {})
                            for rank in range(self.world_size)]
@@ -209,7 +211,8 @@ class WorkerGroup:
         spares = spare_workers.installed()
         if spares is not None and self._spare_key is not None and self.actors:
             try:
-                ray.get([a.teardown.remote() for a in self.actors], timeout=TEARDOWN_TIMEOUT_S)
+                ray.get([a.__ray_call__.remote(spare_workers.teardown, self._teardown) for a in self.actors],
+                        timeout=TEARDOWN_TIMEOUT_S)
                 spares.keep(self._spare_key, spare_workers.SpareGroup(self.actors, self._pg))
                 self.actors, self._pg = [], None
                 return

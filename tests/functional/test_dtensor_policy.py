@@ -43,7 +43,7 @@ class TestFSDP:
         (a full load on every rank, as from_pretrained did, reads it twice), and no rank's largest read is a
         whole tensor: it is half the largest tensor (here an MLP weight [F, H]; rows split over dp)."""
         policy, path = fsdp_qwen3
-        reads = policy.group.run_all("load_reads")
+        reads = policy.group.run_all("__ray_call__", lambda actor: dict(actor.engine.checkpoint_reads))
         params = list(load_hf(path).parameters())  # (a tied lm_head counted once)
         assert sum(r["numel"] for r in reads) == sum(p.numel() for p in params)
         assert [r["largest"] for r in reads] == [max(p.numel() for p in params) // 2] * 2

@@ -52,14 +52,15 @@ def test_moe_matches_hf(policy_pool, tiny_model_dir, layout, extra):
         check_train_parity(policy, path, make_batch(4, seed=1))
 
 
-def local_experts(worker) -> int:
-    """The experts a worker holds of its first layer."""
-    return sum(1 for n in worker.params if n.startswith("decoder.layers.0.mlp.experts.") and n.endswith("fc1.weight"))
+def local_experts(actor) -> int:
+    """The experts a policy rank holds of its first layer."""
+    return sum(1 for n in actor.engine.params
+               if n.startswith("decoder.layers.0.mlp.experts.") and n.endswith("fc1.weight"))
 
 
-def expert_modules(worker) -> list[str]:
-    """The class names of a worker's MoE expert modules (grouped_experts.GroupedSequentialMLP: grouped GEMMs)."""
-    return sorted({type(m).__name__ for n, m in worker.model.named_modules() if n.endswith(".mlp.experts")})
+def expert_modules(actor) -> list[str]:
+    """The class names of a rank's MoE expert modules (grouped_experts.GroupedSequentialMLP: grouped GEMMs)."""
+    return sorted({type(m).__name__ for n, m in actor.engine.model.named_modules() if n.endswith(".mlp.experts")})
 
 
 def test_ep2_checkpoint_resumes_in_one_process(policy_pool, tiny_model_dir, tmp_path):
@@ -102,12 +103,12 @@ def assert_sharded_once(policy, path: str, sizes: list[int], tp: int = 1, pp: in
     assert sum(n for rank in shards for _, n in rank) == total + (tp - 1) * replicated + padding + stage_copy
 
 
-def optimizer_shards(worker) -> list[tuple[int, int]]:
-    """Per DistributedOptimizer of a worker: the size of the group it shards over and the elements of this rank's
+def optimizer_shards(actor) -> list[tuple[int, int]]:
+    """Per DistributedOptimizer of a policy rank: the size of the group it shards over and the elements of this rank's
     fp32 main shards."""
     return [(opt.data_parallel_group.size(), sum(main.numel() for group in opt.shard_fp32_groups
                                                  + opt.shard_fp32_from_float16_groups for main in group))
-            for opt in worker.dist_opt.optimizers]
+            for opt in actor.engine.dist_opt.optimizers]
 
 
 TP2_SP = {"megatron_cfg.tensor_model_parallel_size": 2, "megatron_cfg.sequence_parallel": True}

@@ -1,7 +1,7 @@
 """Spare workers (nemo_grpo/distributed/spare_workers.py), which the whole session's policies share
-(tests/conftest.py): a shut-down policy's worker processes are torn down and kept, and the next policy of the same
-back end and size restarts them in place, as another layout, model or back-end option, with results as a fresh
-process's. The rest of the suite runs on restarted workers too; this shows that the restart happens and that
+(tests/conftest.py recycles PolicyActors, a class that knows nothing of it): a shut-down policy's worker
+processes are torn down and kept, and the next policy of the same back end and size restarts them in place, as
+another layout, model or back-end option, with results as a fresh process's. The rest of the suite runs on restarted workers too; this shows that the restart happens and that
 nothing of the previous policy survives it (its process groups, Megatron's model-parallel state, its kernel
 counts).
 """

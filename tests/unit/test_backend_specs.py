@@ -1,5 +1,5 @@
 """The back-end registry (nemo_grpo/backends/registry.py): every spec names a section the config has, keys that
-section has, a PolicyWorker it can import, and is light to import itself."""
+section has, a PolicyEngine it can import (run by the one PolicyActor), and is light to import itself."""
 
 from __future__ import annotations
 
@@ -25,11 +25,13 @@ def test_a_spec_names_its_section_and_keys(name):
         assert set(spec.degree_keys) <= {"tp", "pp", "cp", "dp"}
 
 
-def test_a_spec_imports_its_worker_on_first_use():
-    from nemo_grpo.backends.worker import PolicyWorker
+def test_a_spec_imports_its_engine_on_first_use_and_every_back_end_runs_in_the_policy_actor():
+    from nemo_grpo.backends.actor import PolicyActor
+    from nemo_grpo.backends.engine import PolicyEngine
 
     for spec in all_specs():
-        assert issubclass(spec.worker_class(), PolicyWorker)
+        assert issubclass(spec.engine_class(), PolicyEngine)
+        assert spec.worker_class() is PolicyActor
 
 
 def _top_level_imports(module: str) -> set[str]:

@@ -1,4 +1,4 @@
-"""Pure helpers of the Policy front and the PolicyWorker's rooms (no Ray, no process group)."""
+"""Pure helpers of the Policy front and the PolicyActor's rooms (no Ray, no process group)."""
 
 import pytest
 import torch

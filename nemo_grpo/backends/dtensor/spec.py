@@ -1,7 +1,7 @@
 """The DTensor back end as the rest of the house sees it: policy.dtensor_cfg, its layout (FSDP2 x tensor parallel,
 world = dp x cp x tp, no pipeline), its rules, and its memory model (backends/dtensor/memory.py).
 
-Light to import: the worker (torch.distributed, FSDP2) is imported on first use of `worker_class`.
+Light to import: the engine (torch.distributed, FSDP2) is imported on first use of `engine_class`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from nemo_grpo.models.spec import check_divisible, model_spec
 class DTensorSpec(BackendSpec):
     name = "dtensor"
     section = "dtensor_cfg"
-    worker = "nemo_grpo.backends.dtensor.worker:DTensorPolicyWorker"
+    engine = "nemo_grpo.backends.dtensor.engine:DTensorEngine"
     degree_keys = {"tp": "tensor_parallel_size", "cp": "context_parallel_size", "dp": "data_parallel_size"}
 
     def validate_model(self, p, hf, model_path: str, prefix: str) -> None:

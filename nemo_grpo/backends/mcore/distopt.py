@@ -4,7 +4,7 @@
 group, bucket by bucket while the backward still runs (`distributed_data_parallel_config.overlap_grad_reduce`);
 `DistributedOptimizer` keeps the fp32 main weights and the optimizer state of this DP rank's shard of each buffer
 only, steps them, and all-gathers the updated weights. The worker keeps its own step sequence around it
-(backends/worker.py: one clipping rule, a non-finite norm skips the step), so only Megatron's pieces are used:
+(backends/actor.py: one clipping rule, a non-finite norm skips the step), so only Megatron's pieces are used:
 `finish_grad_sync`, `prepare_grads`, `get_grad_norm`, the inner torch optimizer, the main-to-model copy and
 `start_param_sync`. Per-parameter views of the sharded state (`ShardedState`) keep checkpoints layout-free.
 

@@ -1,7 +1,7 @@
 """The Megatron-Core back end as the rest of the house sees it: policy.megatron_cfg, its layout (tp x cp x pp x dp,
 expert parallelism carved out of a stage's ranks), its rules, and its memory model (backends/mcore/memory.py).
 
-Light to import: the worker (Megatron-Core, torch.distributed) is imported on first use of `worker_class`.
+Light to import: the engine (Megatron-Core, torch.distributed) is imported on first use of `engine_class`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _check_expert_parallel(ep, layout: ParallelLayout, key: str) -> None:
 class MegatronSpec(BackendSpec):
     name = "megatron"
     section = "megatron_cfg"
-    worker = "nemo_grpo.backends.mcore.worker:MegatronPolicyWorker"
+    engine = "nemo_grpo.backends.mcore.engine:MegatronEngine"
     degree_keys = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
                    "cp": "context_parallel_size"}
 

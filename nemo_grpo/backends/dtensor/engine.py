@@ -1,8 +1,9 @@
-"""`DTensorPolicyWorker`: Hugging Face models under FSDP2 + tensor parallelism (see parallelize.py for the layout).
+"""`DTensorEngine`: Hugging Face models under FSDP2 + tensor parallelism (see parallelize.py for the layout).
 
-Only what differs from `PolicyWorker` is here: building the HF model from a local directory (on the meta device,
+The back end's PolicyEngine (backends/engine.py): building the HF model from a local directory (on the meta device,
 sharded, then each rank's slices read from the safetensors: loading.py), the (dp, tp) parallelization, logits ->
-log-probs (full-vocabulary logits on every TP rank), the scalar head's score, the gradient finish (Qwen3
+log-probs (full-vocabulary logits on every TP rank), the scalar head's score, the forward and backward of a step's
+micro-batches (a plain loop; FSDP's reduce-scatter deferred to the last), the gradient finish (Qwen3
 q_norm/k_norm all-reduce), the DTensor-aware gradient norm, the weight export (`DTensor.full_tensor()` per HF
 state_dict entry; for refit every rank writes its shards into shared memory) and the checkpoint format
 (torch.distributed.checkpoint). Packed rows attend per segment (attention.py).
@@ -10,7 +11,6 @@ state_dict entry; for refit every rank writes its shards into shared memory) and
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -25,11 +25,13 @@ from nemo_grpo.backends.dtensor import loading
 from nemo_grpo.backends.dtensor import lora as peft_lora
 from nemo_grpo.backends.dtensor import parallelize as par
 from nemo_grpo.backends.dtensor.attention import VARLEN, varlen_kwargs
+from nemo_grpo.backends.engine import EngineSetup, MicroBatchLoss, PolicyEngine, move_parameters, on_device
 from nemo_grpo.backends.model_inputs import ModelInputs
+from nemo_grpo.backends.optimizer import build_optimizer
 from nemo_grpo.backends.router import RouterLogits, RouterLosses
-from nemo_grpo.backends.worker import PolicyWorker
 from nemo_grpo.models import lora
 from nemo_grpo.models.experts import moe_routers
+from nemo_grpo.weights.sender import write_gathered
 from nemo_grpo.weights.transfer import TensorSpec
 
 
@@ -57,8 +59,13 @@ def _record_router_logits(model: torch.nn.Module, recorder: RouterLogits) -> Non
         router.register_forward_hook(hook)
 
 
-class DTensorPolicyWorker(PolicyWorker):
+class DTensorEngine(PolicyEngine):
     """One rank: an HF causal LM (or sequence classifier with num_labels=1) sharded over a (dp, tp) mesh."""
+
+    def __init__(self, setup: EngineSetup):
+        super().__init__(setup)
+        self._build_model()
+        self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], self.cfg.optimizer)
 
     # ------------------------------------------------------------------------------------------ build
     def _build_model(self) -> None:
@@ -80,17 +87,14 @@ class DTensorPolicyWorker(PolicyWorker):
         if tp > 1:
             par.apply_tensor_parallel(model, self.mesh["tp"])
         par.apply_fsdp(model, self.mesh["dp"], torch.bfloat16 if cfg.precision == "bfloat16" else None)
+        # what building the model read: {"numel": elements in all, "largest": the largest single read}
         self.checkpoint_reads = loading.materialize(model, self.device, self.model_path, self.seed)
-        self.model = model
+        self.model, self.hf_config = model, model.config
+        self.data_parallel_group = self.mesh["dp"].get_group()
         self._partial_grad_params = par.local_head_params(model) if tp > 1 else []
         if getattr(model.config, "num_experts_per_tok", None):
             self.router = RouterLosses(cfg.dtensor_cfg, model.config.num_experts_per_tok)
             _record_router_logits(model, self.router.recorder)
-
-    def load_reads(self) -> dict:
-        """What building the model read from the checkpoint: {"numel": elements in all, "largest": the largest
-        single read} (loading.materialize; this rank's shards only)."""
-        return dict(self.checkpoint_reads)
 
     # ------------------------------------------------------------------------------------------ forward
     def _forward(self, inputs: ModelInputs):
@@ -104,6 +108,10 @@ class DTensorPolicyWorker(PolicyWorker):
             extra = varlen_kwargs(inputs.cu_seqlens) if inputs.varlen else {}
         return self.model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
                           position_ids=inputs.position_ids, use_cache=False, **extra)
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """-> log-probs [r, t], or the scalar head's scores [b]."""
+        return self._scores(inputs) if self.scalar_head else self._logprobs(inputs)
 
     def _logprobs(self, inputs: ModelInputs) -> torch.Tensor:
         """-> [r, t]: full-vocabulary logits on every rank (lm_head replicated over tp), / temperature."""
@@ -126,26 +134,35 @@ class DTensorPolicyWorker(PolicyWorker):
         return scores + 0.0 * par.full_tensor(pooled_by_hf).sum()
 
     # ------------------------------------------------------------------------------------------ gradients
-    def _set_gradient_sync(self, enabled: bool) -> None:
-        """Defer FSDP's reduce-scatter to the last micro-batch of a step (grads accumulate unsharded before)."""
-        self.model.set_requires_gradient_sync(enabled)
+    def forward_backward(self, micro_batches: list[dict], loss: MicroBatchLoss) -> None:
+        """One micro-batch after the other; FSDP's reduce-scatter deferred to the last of them (grads accumulate
+        unsharded before)."""
+        for i, mb in enumerate(micro_batches):
+            mb = on_device(mb, self.device)
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            inputs = self.model_inputs(mb)
+            if self.router is not None:
+                self.router.recorder.start()
+            loss(mb, inputs, self.forward(inputs)).backward()
 
-    def _data_parallel_group(self):
-        return self.mesh["dp"].get_group()
-
-    def _finish_gradients(self) -> None:
+    def reduce_gradients(self) -> float:
+        """The TP all-reduce of the gradients tensor parallelism leaves partial; the global norm over DTensors."""
         if self._partial_grad_params:
             par.all_reduce_grads(self._partial_grad_params, self.mesh["tp"].get_group())
-
-    def _grad_norm(self) -> float:
         return par.grad_norm([p.grad for p in self.model.parameters() if p.grad is not None])
 
-    def _local_grads(self) -> list[torch.Tensor]:
+    def local_grads(self) -> list[torch.Tensor]:
         return [par.local(p.grad) for p in self.model.parameters() if p.grad is not None]
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def move(self, device: torch.device) -> None:
+        move_parameters(self.model, self.optimizer, device)
 
     # ------------------------------------------------------------------------------------------ weights
     @torch.no_grad()
-    def _local_weights(self) -> dict[str, torch.Tensor]:
+    def local_weights(self) -> dict[str, torch.Tensor]:
         """name -> the local shard (a detached alias: in-place writes reach the live parameter)."""
         out = {}
         for n, p in self.model.named_parameters():
@@ -176,7 +193,7 @@ class DTensorPolicyWorker(PolicyWorker):
                 out[name] = full.to("cpu", copy=True)
         return out
 
-    def _adapter_state(self) -> dict[str, torch.Tensor]:
+    def adapter_state(self) -> dict[str, torch.Tensor]:
         out = {}
         for key, t in self.model.state_dict().items():
             if peft_lora.is_adapter(key):
@@ -192,7 +209,7 @@ class DTensorPolicyWorker(PolicyWorker):
         only. LoRA: the rank-r adapters are gathered (small) and each rank merges its own shard,
         W[rows, cols] + scale * B[rows] @ A[:, cols]."""
         if not in_place:
-            return super().write_weight_bucket(bucket, views, in_place)
+            return write_gathered(self, bucket, views)
         state = self.model.state_dict()
         keys = self._hf_keys(state)
         for spec in bucket:
@@ -231,18 +248,14 @@ class DTensorPolicyWorker(PolicyWorker):
         frozen_out = self.cfg.lora.enabled
         return StateDictOptions(ignore_frozen_params=frozen_out, strict=not frozen_out)
 
-    def save_checkpoint(self, path: str) -> None:
-        """DCP shards of model + optimizer (loadable at another layout), plus a per-rank file with the
-        scheduler and RNG states."""
-        os.makedirs(path, exist_ok=True)
+    def save_checkpoint(self, path: str) -> dict:
+        """DCP shards of model + optimizer (loadable at another layout); the rank file notes whether the
+        optimizer has state."""
         has_optim = bool(self.optimizer.state)
         dcp.save(self._dcp_state(has_optim), checkpoint_id=path)
-        self._save_rank_state(path, has_optim=has_optim)
-        dist.barrier()
+        return {"has_optim": has_optim}
 
-    def load_checkpoint(self, path: str) -> None:
-        """Restore save_checkpoint's state; from another world size the RNG states are left as they are."""
-        extra = self._load_rank_state(path)
+    def load_checkpoint(self, path: str, extra: dict) -> None:
         state = self._dcp_state(extra["has_optim"])
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(self.model, state["model"], options=self._state_options())
@@ -250,4 +263,3 @@ class DTensorPolicyWorker(PolicyWorker):
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         else:
             self.optimizer.state.clear()
-        self._restore_schedule_and_rng(extra)

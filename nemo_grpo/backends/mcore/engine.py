@@ -1,12 +1,12 @@
-"""`MegatronPolicyWorker`: Megatron-Core `GPTModel` under tensor, pipeline and data parallelism.
+"""`MegatronEngine`: Megatron-Core `GPTModel` under tensor, pipeline and data parallelism.
 
-Only what differs from `PolicyWorker` is here:
+The back end's PolicyEngine (backends/engine.py):
 - build: megatron parallel_state (tp, pp; dp = world / (tp * pp); rank order tp-dp-pp), a GPTModel chunk per
   pipeline stage loaded from the HF directory (weights.py maps the names, model.py builds it);
-- forward: Megatron's `get_forward_backward_func` schedule (1F1B under PP, plain loop otherwise), also for
-  forward-only log-probs / scores. The schedule's loss closure on the last stage computes vocab-parallel
-  log-probs from the local logits [b, t, V/tp] (the full-vocabulary logits are never gathered) and calls the
-  shared `loss_fn` through `base.loss_and_metrics`; `calculate_per_token_loss` keeps the contribution undivided;
+- forward and forward_backward: Megatron's `get_forward_backward_func` schedule (1F1B under PP, plain loop
+  otherwise), also for forward-only log-probs / scores. The schedule's loss closure on the last stage computes
+  vocab-parallel log-probs from the local logits [b, t, V/tp] (the full-vocabulary logits are never gathered)
+  and calls the actor's micro-batch loss; `calculate_per_token_loss` keeps the contribution undivided;
 - gradients: TP all-reduce of replicated-but-partial grads (Qwen3 q/k norms, sequence-parallel norms), the
   tied-embedding grad sum between first and last stage, then a data-parallel SUM (losses use global counts);
 - the clipped norm counts every element once (TP duplicates and the last stage's tied copy skipped);
@@ -27,13 +27,11 @@ Optimizer: a torch optimizer over the "main" parameters: the local shards themse
 master copies with fp32 gradient accumulation. use_distributed_optimizer: Megatron-Core's DistributedDataParallel
 (gradient buffers reduce-scattered over DP, overlapping the backward) and DistributedOptimizer (fp32 main weights
 and optimizer state of this DP rank's shard only; the experts' over the expert-DP group), distopt.py; the step
-sequence stays the shared one.
+sequence stays the actor's.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -46,23 +44,30 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from transformers import AutoConfig
 
+from nemo_grpo.backends.engine import EngineSetup, MicroBatchLoss, PolicyEngine, move_parameters, on_device
 from nemo_grpo.backends.mcore import model as mmodel
 from nemo_grpo.backends.mcore import shim, weights
 from nemo_grpo.backends.mcore.attention import context_params, segment_params
 from nemo_grpo.backends.mcore.distopt import MegatronDistributedOptimizer, ShardedState
 from nemo_grpo.backends.mcore.lora import MegatronLora, parameters_by_name
 from nemo_grpo.backends.model_inputs import ModelInputs, natural_width
+from nemo_grpo.backends.optimizer import build_optimizer
 from nemo_grpo.backends.router import RouterLosses, StageExchange
-from nemo_grpo.backends.worker import PolicyWorker
 from nemo_grpo.models.reader import hf_tensor_reader
 from nemo_grpo.models.spec import CAUSAL_LM, SEQ_CLS, model_spec
+from nemo_grpo.weights.sender import write_gathered
 from nemo_grpo.weights.transfer import TensorSpec
 
 REPLICATED_PARTIAL = ("q_layernorm", "k_layernorm")  # per-head norms: under TP each rank sees its heads only
 
 
-class MegatronPolicyWorker(PolicyWorker):
+class MegatronEngine(PolicyEngine):
     """One rank: the GPTModel chunk of its pipeline stage, sharded over its TP group."""
+
+    def __init__(self, setup: EngineSetup):
+        super().__init__(setup)
+        self._build_model()
+        self.optimizer = self._build_optimizer()
 
     # ------------------------------------------------------------------------------------------ build
     def _build_model(self) -> None:
@@ -84,6 +89,11 @@ class MegatronPolicyWorker(PolicyWorker):
             self.mconfig = mmodel.transformer_config(self.spec, m, dtype)
             model = mmodel.build_gpt(self.spec, self.mconfig, m.attention_backend, m.moe_grouped_gemm).to(self.device)
         self.tp_size, self.pp_size = tp, pp
+        self.data_parallel_group = ps.get_data_parallel_group()
+        # sequence parallelism splits each CP rank's columns over tp; the unfused attention takes packed rows
+        # through the dense mask only
+        self.width_factor = tp if self.mconfig.sequence_parallel else 1
+        self.dense_mask_only = m.attention_backend != "sdpa"
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         # the data this rank takes (its CP peers take the same rows); Megatron's data-parallel group is dp x cp
         # (it is built with cp 1: the CP ranks are replicas of the weights whose gradients are summed)
@@ -120,12 +130,12 @@ class MegatronPolicyWorker(PolicyWorker):
         self.entries = {e.hf: e for e in weights.entries(self.spec, pp)}
         self.tied_aliases = weights.tied_aliases(self.spec)
 
-    def teardown(self) -> None:
-        """Also Megatron-Core's model-parallel state (its groups, the global buffers), which is per process."""
+    def close(self) -> None:
+        """Megatron-Core's model-parallel state (its groups, the global buffers), which is per process, and the
+        router's pipeline group."""
         ps.destroy_model_parallel()
         if self.router is not None and self.router.stages is not None:
             dist.destroy_process_group(self.router.stages.group)
-        super().teardown()
 
     def _main_params(self, local: dict[str, torch.Tensor], trainable: dict[str, torch.nn.Parameter]
                      ) -> dict[str, torch.nn.Parameter]:
@@ -139,13 +149,13 @@ class MegatronPolicyWorker(PolicyWorker):
             p.register_post_accumulate_grad_hook(partial(_accumulate_into, main[n]))
         return main
 
-    def _make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    def _build_optimizer(self) -> torch.optim.Optimizer:
         """Over the main parameters; use_distributed_optimizer: Megatron's, whose inner torch optimizer steps this
         DP rank's fp32 main shards (set from the checkpoint's fp32 tensors, not from bf16 parameters)."""
         local, self._initial_shards = self._initial_shards, None
         m = self.cfg.megatron_cfg
         if not m.use_distributed_optimizer:
-            return super()._make_optimizer(list(self.main.values()))
+            return build_optimizer(list(self.main.values()), self.cfg.optimizer)
         with shim.device_context():
             self.dist_opt = MegatronDistributedOptimizer(self.model, self.mconfig, m.distributed_data_parallel_config,
                                                          self.cfg.optimizer, self.cfg.precision == "bfloat16")
@@ -154,9 +164,10 @@ class MegatronPolicyWorker(PolicyWorker):
         return self.dist_opt.inner
 
     @torch.no_grad()
-    def _after_optimizer_step(self) -> None:
-        """bf16: the updated fp32 masters rounded into the model's parameters (the distributed optimizer: its
-        main shards, then the all-gather of the parameters over DP)."""
+    def optimizer_step(self) -> None:
+        """The step; in bf16 the updated fp32 masters then rounded into the model's parameters (the distributed
+        optimizer: its main shards, then the all-gather of the parameters over DP)."""
+        self.optimizer.step()
         if self.dist_opt is not None:
             with shim.device_context():
                 self.dist_opt.after_step()
@@ -164,13 +175,13 @@ class MegatronPolicyWorker(PolicyWorker):
             for n, main in self.main.items():
                 self.params[n].copy_(main)
 
-    def _move_parameters(self, device: torch.device) -> None:
+    def move(self, device: torch.device) -> None:
         """Offload / onload on GPUs. The distributed optimizer's parameters and gradients live in DDP's buffers,
         which move as buffers (the parameters, and the fp32 main shards of fp32 parameters, stay views into
         them); the fp32 main shards of bf16 parameters and frozen parameters (LoRA's base) are tensors of
         their own."""
         if self.dist_opt is None:
-            return super()._move_parameters(device)
+            return move_parameters(self.model, self.optimizer, device)
         for buffer in self.dist_opt.buffers:
             buffer.offload_to_cpu() if device.type == "cpu" else buffer.reload_from_cpu()
         for p in self.params.values():
@@ -190,20 +201,7 @@ class MegatronPolicyWorker(PolicyWorker):
             hf_config.num_labels = 1
         return hf_config
 
-    def _hf_config(self):
-        return self.hf_config
-
     # ------------------------------------------------------------------------------------------ forward
-    def _dense_packing_mask(self) -> bool:
-        """Megatron's unfused attention takes packed rows through the dense mask only."""
-        return super()._dense_packing_mask() or self.cfg.megatron_cfg.attention_backend != "sdpa"
-
-    def _width_multiple(self) -> int:
-        """Sequence parallelism splits each CP rank's columns over tp: a multiple of tp x cp (and of the packing
-        round, and of 2 x cp)."""
-        base = super()._width_multiple()
-        return math.lcm(base, self.tp_size * self.context.size) if self.mconfig.sequence_parallel else base
-
     def _run_schedule(self, micro_batches: list[tuple[dict[str, Any], ModelInputs]],
                       on_output: Callable[[dict, ModelInputs, torch.Tensor], Any], forward_only: bool) -> None:
         """Megatron's schedule over (micro-batch, its model inputs) pairs on device, all inputs of one shape
@@ -269,22 +267,20 @@ class MegatronPolicyWorker(PolicyWorker):
         self._run_schedule([({}, inputs)], lambda mb, inp, out: box.__setitem__("out", fn(out)), forward_only=True)
         return box.get("out", empty)
 
-    def _logprobs(self, inputs: ModelInputs) -> torch.Tensor:
-        """-> [r, s] log-probs at generation.temperature (zeros on ranks that are not output ranks)."""
-        return self._last_stage_output(inputs, lambda out: self._token_logprobs(out, inputs),
-                                       torch.zeros(inputs.token_mask.shape, device=self.device))
+    def _head_output(self, out: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+        """The last stage's model output (logits [r, s, V_pad/tp], or scores [r, s, 1] with a scalar head) ->
+        log-probs [r, t], or the scores at each sequence's last token [b]."""
+        return inputs.last_tokens(out)[:, 0] if self.scalar_head else self._token_logprobs(out, inputs)
 
-    def _scores(self, inputs: ModelInputs) -> torch.Tensor:
-        """-> [b]: the scalar head at each sequence's last token (zeros off the last stage)."""
-        return self._last_stage_output(inputs, lambda out: inputs.last_tokens(out)[:, 0],
-                                       torch.zeros(inputs.seq_len.shape, device=self.device))
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """-> log-probs [r, t] at generation.temperature, or scores [b] (zeros off the output ranks' stage)."""
+        empty = torch.zeros((inputs.seq_len if self.scalar_head else inputs.token_mask).shape, device=self.device)
+        return self._last_stage_output(inputs, lambda out: self._head_output(out, inputs), empty)
 
-    def _forward_backward(self, micro_batches: list[dict[str, Any]], loss_fn, gvs: torch.Tensor,
-                          gvt: torch.Tensor) -> dict[str, float]:
+    def forward_backward(self, micro_batches: list[dict[str, Any]], loss: MicroBatchLoss) -> None:
         """The schedule over this rank's micro-batches, all at the width of the widest (the longest row, or the
-        fullest packed row); the last stage's loss closure calls the shared loss function. Metrics are summed on
-        the last stage (empty elsewhere)."""
-        micro_batches = [self._to_device(mb) for mb in micro_batches]
+        fullest packed row); the last stage's loss closure calls `loss`."""
+        micro_batches = [on_device(mb, self.device) for mb in micro_batches]
         if self.dist_opt is not None:
             self.dist_opt.start_step()
         sizes = {int(mb["input_ids"].shape[0]) for mb in micro_batches}
@@ -292,23 +288,15 @@ class MegatronPolicyWorker(PolicyWorker):
         if len(sizes) > 1 and self.pp_size > 1 and not packed:
             raise ValueError(f"pipeline parallelism needs equal micro-batches; got sizes {sorted(sizes)} "
                              "(policy.train_micro_batch_size must divide the per-rank batch)")
-        width = max(natural_width(mb, packed, self._width_multiple()) for mb in micro_batches)
-        totals: dict[str, float] = {}
-
-        def on_output(mb, inputs, out):  # logits [r, s, V_pad/tp], or scores [r, s, 1] with a scalar head
-            if self.scalar_head:
-                output = inputs.last_tokens(out)[:, 0].float()  # [b]
-            else:
-                output = inputs.to_rows(self._token_logprobs(out, inputs), mb["input_ids"].shape[1])  # [b, T]
-            return self._train_loss(loss_fn, output, mb, inputs, gvs, gvt, totals)
-
-        self._run_schedule([(mb, self._model_inputs(mb, width)) for mb in micro_batches], on_output,
+        width = max(natural_width(mb, packed, self.width_multiple()) for mb in micro_batches)
+        self._run_schedule([(mb, self.model_inputs(mb, width)) for mb in micro_batches],
+                           lambda mb, inputs, out: loss(mb, inputs, self._head_output(out, inputs)),
                            forward_only=False)
-        return totals
 
     # ------------------------------------------------------------------------------------------ gradients
-    def _data_parallel_group(self):
-        return ps.get_data_parallel_group()
+    def reduce_gradients(self) -> float:
+        self._finish_gradients()
+        return self._grad_norm()
 
     def _grads(self, names) -> list[torch.Tensor]:
         """The gradient tensors of `names` as the step reduces them: DDP's main_grad views, or the main .grad."""
@@ -372,18 +360,23 @@ class MegatronPolicyWorker(PolicyWorker):
             dist.all_reduce(expert_sq, group=ps.get_expert_tensor_model_pipeline_parallel_group())
         return float((sq + expert_sq).sqrt())
 
-    def _local_grads(self) -> list[torch.Tensor]:
+    def local_grads(self) -> list[torch.Tensor]:
         if self.dist_opt is not None:
             return self.dist_opt.local_grads()
         return [p.grad for p in self.main.values() if p.grad is not None]
 
     # ------------------------------------------------------------------------------------------ weights
     @torch.no_grad()
-    def _local_weights(self) -> dict[str, torch.Tensor]:
+    def local_weights(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.params.items()}
 
     def weight_specs(self) -> list[TensorSpec]:
         return [TensorSpec(e.hf, tuple(e.shape), torch.float32) for e in self.entries.values()]
+
+    def write_weight_bucket(self, bucket: list[TensorSpec], views: Optional[dict[str, torch.Tensor]],
+                            in_place: bool) -> None:
+        """Gathered on rank 0, which writes (a rank's local shards are not HF slices)."""
+        write_gathered(self, bucket, views)
 
     def _gather_hf(self, names: list[str], local: dict[str, torch.Tensor],
                    table: Optional[dict[str, weights.Entry]] = None) -> dict[str, torch.Tensor]:
@@ -438,9 +431,9 @@ class MegatronPolicyWorker(PolicyWorker):
         local.update({n: p.detach().float() for n, p in self.params.items() if n not in local})
         return self._gather_hf(names, self.adapters.merged(local) if self.adapters else local)
 
-    def _adapter_state(self) -> dict[str, torch.Tensor]:
+    def adapter_state(self) -> dict[str, torch.Tensor]:
         if self.adapters is None:
-            return super()._adapter_state()
+            raise NotImplementedError("MegatronEngine has no LoRA adapters")
         return self._gather_hf(list(self.adapters.entries), self._main_weights(), self.adapters.entries)
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -467,10 +460,9 @@ class MegatronPolicyWorker(PolicyWorker):
         frozen base is reloaded from the model directory)."""
         return self.adapters.entries if self.adapters else self.entries
 
-    def save_checkpoint(self, path: str) -> None:
-        """DCP of HF-named full tensors: model/<name>, optim/<moment>/<name> (written from rank 0), plus a per-rank
-        file with the scalar optimizer state, scheduler and RNG states. Loadable at any layout."""
-        os.makedirs(path, exist_ok=True)
+    def save_checkpoint(self, path: str) -> dict[str, Any]:
+        """DCP of HF-named full tensors: model/<name>, optim/<moment>/<name> (written from rank 0); the rank file
+        keeps the moments' names and the scalar optimizer state. Loadable at any layout."""
         table = self._checkpoint_table()
         state = {f"model/{k}": v for k, v in self._gather_hf(list(table), self._main_weights(), table).items()}
         moments, scalars = self._optimizer_moments()
@@ -478,13 +470,10 @@ class MegatronPolicyWorker(PolicyWorker):
             full = self._gather_hf(list(table), self._full_moment(key), table)
             state.update({f"optim/{key}/{k}": v for k, v in full.items()})
         dcp.save(state if self.rank == 0 else {}, checkpoint_id=path)
-        self._save_rank_state(path, moments=moments, scalars=scalars)
-        dist.barrier()
+        return {"moments": moments, "scalars": scalars}
 
-    def load_checkpoint(self, path: str) -> None:
-        """Every rank reads the full tensors and keeps its shards (another layout is fine); RNG states only
-        when the checkpoint has this rank's file."""
-        extra = self._load_rank_state(path)
+    def load_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
+        """Every rank reads the full tensors and keeps its shards (another layout is fine)."""
         table = self._checkpoint_table()
         names = [n for n in table if n not in self.tied_aliases]
         loaded = {f"model/{n}": torch.empty(table[n].shape) for n in names}
@@ -502,7 +491,6 @@ class MegatronPolicyWorker(PolicyWorker):
                 self.main[n].copy_(t)
         self._load_optimizer_state(local, {key: shard(lambda name: loaded[f"optim/{key}/{name}"])
                                            for key in extra["moments"]}, extra["scalars"])
-        self._restore_schedule_and_rng(extra)
 
     def _load_optimizer_state(self, shards: dict[str, torch.Tensor], moments: dict[str, dict[str, torch.Tensor]],
                               scalars: dict[str, Any]) -> None:
