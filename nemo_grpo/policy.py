@@ -2,9 +2,9 @@
 
 The front is thin: it splits a batch over the data-parallel ranks, sends every rank of a DP group the same
 rows, computes the global-batch normalizers for the loss, gathers results in order and aggregates metrics.
-Everything model-specific happens in the back end's `PolicyWorker` (nemo_grpo/backends/), picked by
+Every rank is a `PolicyActor` (nemo_grpo/backends/actor.py) running the back end's engine, picked by
 `policy.backend`; a training batch is a StepBatch (nemo_grpo/batch.py), the rest of the data contract is in
-nemo_grpo/backends/batching.py and worker.py.
+nemo_grpo/backends/batching.py and actor.py.
 
     policy = Policy(cfg.policy, cfg.cluster, model_path, init_reference=True)
     with policy.shipped(StepBatch(...)) as rows:                  # each DP shard into its workers, once
