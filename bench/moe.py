@@ -39,6 +39,8 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from timing import MeanLogprobLoss, resident_bytes  # noqa: E402  (bench/timing.py)
+from nemo_grpo.backends.batching import fixed_size_groups  # noqa: E402
+from nemo_grpo.batch import StepBatch  # noqa: E402
 
 MODEL = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
              num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512, vocab_size=1000,
@@ -115,18 +117,19 @@ def measure_on_worker(worker, rows: int, tokens: int, repeats: int) -> dict:
     """On every rank: this rank's half of the rows through the worker's own training step and get_logprobs;
     seconds (median after the first call), memory, and rank 0's profiled splits."""
     g = torch.Generator().manual_seed(1 + worker.rank)
-    batch = {"input_ids": torch.randint(3, MODEL["vocab_size"], (rows, tokens), generator=g),
-             "input_lengths": torch.full((rows,), tokens), "token_mask": torch.ones(rows, tokens),
-             "sample_mask": torch.ones(rows)}
+    batch = StepBatch(torch.randint(3, MODEL["vocab_size"], (rows, tokens), generator=g),
+                      torch.full((rows,), tokens), torch.ones(rows, tokens), torch.ones(rows)).rows()
     total_rows = rows * worker.engine.dp_size
+    worker.hold("bench", batch)  # as Policy.ship would
 
     def train():
         worker.engine.model.train()
-        worker._train_step(batch, MeanLogprobLoss(), float(total_rows), float(total_rows * tokens), None,
+        groups = fixed_size_groups(rows, worker.cfg.train_micro_batch_size)
+        worker._train_step(batch, MeanLogprobLoss(), float(total_rows), float(total_rows * tokens), groups,
                            float(total_rows * tokens))
 
     def logprobs():
-        worker.get_logprobs(batch)
+        worker.get_logprobs("bench", fixed_size_groups(rows, worker.cfg.logprob_batch_size))
 
     before = resident_bytes()
     out = {}
