@@ -59,7 +59,7 @@ def measure_on_worker(worker, length: int, repeats: int) -> dict:
     worker.engine.model.train()
 
     def step():
-        worker._train_step(batch, MeanLogprobLoss(), 1.0, float(length))
+        worker._train_step(batch, MeanLogprobLoss(), 1.0, float(length), [[0]], float(length))
 
     before = resident_bytes()
     step()
