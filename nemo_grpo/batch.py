@@ -2,9 +2,9 @@
 workers once (`Policy.ship`), and a loss sees its micro-batches' rows.
 
     batch = StepBatch(input_ids, input_lengths, token_mask, sample_mask, generation_logprobs=gen)
-    rows = policy.ship(batch)                       # each data-parallel shard into its ranks' memory, once
-    policy.get_logprobs(rows, keep="prev_logprobs") # the workers keep the result in their shard too
-    policy.train(rows, loss_fn, advantages=adv)     # sends adv [N] only
+    with policy.shipped(batch) as rows:                 # each data-parallel shard into its ranks' memory, once
+        policy.get_logprobs(rows, keep="prev_logprobs") # the workers keep the result in their shard too
+        policy.train(rows, loss_fn, columns={"advantages": adv})  # sends adv [N] only
 
 Shapes (N rows, right-padded to T columns):
 - input_ids [N, T] long; input_lengths [N] long (the real tokens of each row);
@@ -35,6 +35,13 @@ def loss_mask(token_mask: torch.Tensor, sample_mask: torch.Tensor) -> torch.Tens
     """token_mask [B, T] x sample_mask [B] -> [B, T] float: the positions a loss and its normalizer count (the
     generated tokens of the samples not filtered out). The one definition."""
     return token_mask.float() * sample_mask.float()[:, None]
+
+
+def require_keys(batch: dict[str, Any], keys, what: str) -> None:
+    """KeyError naming the keys of `keys` the batch lacks (and those it has), for the call `what`."""
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise KeyError(f"{what}: the batch lacks {missing} (has {sorted(batch)})")
 
 
 def _check_shape(name: str, value: torch.Tensor, shape: tuple) -> None:
@@ -83,9 +90,7 @@ class StepBatch:
         optional ones, and any other per-row entries (tensors [N, ...], lists of N) as columns."""
         if isinstance(batch, StepBatch):
             return batch
-        missing = [k for k in REQUIRED if k not in batch]
-        if missing:
-            raise KeyError(f"{what}: the batch lacks {missing} (has {sorted(batch)})")
+        require_keys(batch, REQUIRED, what)
         n = batch["input_ids"].shape[0]
         columns = {k: v for k, v in batch.items() if k not in REQUIRED + OPTIONAL + ("loss_mask",)
                    and ((isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n)

@@ -31,7 +31,7 @@ import torch
 from nemo_grpo.backends.batching import (PACKING_ALGORITHMS, batch_size_of, equalize_group_counts,
                                          fixed_size_groups, split_sizes, take_rows, token_budget_groups)
 from nemo_grpo.backends.registry import backend_spec, policy_layout
-from nemo_grpo.batch import StepBatch
+from nemo_grpo.batch import StepBatch, require_keys
 from nemo_grpo.distributed.worker_group import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -192,9 +192,7 @@ class Policy:
         """Rows split over DP (short shards padded so all ranks run the same number of forwards), each rank sent
         its shard's key; per-row results (a tensor, or a tuple of them) gathered back in batch order."""
         if not isinstance(batch, ShippedRows):
-            missing = [k for k in ("input_ids", "input_lengths") if k not in batch]
-            if missing:
-                raise KeyError(f"{method}: the batch lacks {missing} (has {sorted(batch)})")
+            require_keys(batch, ("input_ids", "input_lengths"), method)
             with self.shipped({"input_ids": batch["input_ids"], "input_lengths": batch["input_lengths"]}) as rows:
                 return self._forward(method, rows, **kwargs)
         plan = self._micro_batch_plan(batch.lengths, "logprob")
