@@ -91,7 +91,7 @@ def start_actors(cfg: MasterConfig, model_path: str):
         with ThreadPoolExecutor(1) as pool:  # the engine's constructor waits for its workers: start it meanwhile
             engine = pool.submit(make_generation_engine, cfg.policy.generation, model_path, cfg.cluster,
                                  in_flight_updates=a.enabled and a.in_flight_weight_updates,
-                                 replicas=engine_replicas(plan, groups))
+                                 replicas=engine_replicas(plan, groups), precision=cfg.policy.precision)
             try:
                 started.policy = Policy(
                     cfg.policy, plan.placements["policy"].as_cluster(cfg.cluster.num_threads_per_worker), model_path,
@@ -191,7 +191,7 @@ def build_evaluator(cfg: EvalMasterConfig, *, log_to_driver: bool = True) -> Eva
     init_ray(log_to_driver=log_to_driver)
     envs = {cfg.data.env_name: create_env(cfg.data.env_name, getattr(cfg.env, cfg.data.env_name))}
     engine = make_generation_engine(cfg.policy.generation, model_path, cfg.cluster,
-                                    replicas=(None,) * eval_replicas(cfg))
+                                    replicas=(None,) * eval_replicas(cfg), precision=cfg.policy.precision)
     ray.get([e.__ray_ready__.remote() for e in envs.values()])
     return Evaluator(cfg, tokenizer=tokenizer, engine=engine, envs=envs, datums=datums[: cfg.eval.max_num_prompts],
                      model_path=model_path)

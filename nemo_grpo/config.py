@@ -167,7 +167,7 @@ class RewardModelEnvConfig:
     enabled: bool = True  # false: no reward model (it runs only with reward_model_cfg.enabled as well)
     model_name: str = ""  # local HF directory of the reward model
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # name null = model_name
-    precision: str = "float32"  # float32 | bfloat16
+    precision: str = "auto"  # auto | float32 | bfloat16, as policy.precision
     batch_size: int = 32  # sequences per scoring forward on one data-parallel rank
     max_model_len: int = 4096  # longer conversations keep their last max_model_len tokens (counted)
     # the reward model's own devices (worker processes on a CPU); see nemo_grpo/distributed/resource_plan.py

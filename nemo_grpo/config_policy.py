@@ -111,6 +111,9 @@ class VllmConfig:
     tensor_parallel_size: int = 1  # devices of one engine (CPU: worker processes, threads unbound)
     gpu_memory_utilization: float = 0.6  # of each GPU, for weights + KV cache (colocated: the policy shares it)
     max_model_len: Optional[int] = None  # null: min(max_position_embeddings, 32768)
+    # auto | float32 | bfloat16, chosen on the engine's device as policy.precision is (nemo_grpo/precision.py);
+    # null: policy.precision
+    precision: Optional[str] = None
 
 
 @dataclass
@@ -188,7 +191,9 @@ class PolicyConfig:
     model_name: str = "builtin:tiny-addition"
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     backend: str = "dtensor"  # Policy back end, by registered name
-    precision: str = "float32"  # float32 | bfloat16 (bf16 mixed precision: fp32 master weights)
+    # auto | float32 | bfloat16 (bf16 mixed precision: fp32 master weights); auto: bf16 where the device computes
+    # it natively (a GPU with bf16, a CPU with AVX512-BF16/AMX), else fp32 (nemo_grpo/precision.py)
+    precision: str = "auto"
     train_global_batch_size: int = 128  # samples per optimizer step
     train_micro_batch_size: int = 32  # samples per forward/backward on one data-parallel rank
     logprob_batch_size: int = 64  # samples per forward in get_logprobs on one data-parallel rank

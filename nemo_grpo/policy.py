@@ -33,6 +33,7 @@ from nemo_grpo.backends.batching import (PACKING_ALGORITHMS, batch_size_of, equa
 from nemo_grpo.backends.registry import backend_spec, policy_layout
 from nemo_grpo.batch import StepBatch, require_keys
 from nemo_grpo.distributed.worker_group import WorkerGroup
+from nemo_grpo.precision import PrecisionChoice, log_precision
 
 log = logging.getLogger(__name__)
 # metrics every rank has alike, the step's global values (rank 0's are taken): averaged over a call's optimizer
@@ -97,7 +98,7 @@ class Policy:
     """
 
     def __init__(self, cfg, cluster, model_path: str, *, scalar_head: bool = False, init_reference: bool = False,
-                 seed: int = 0, name: str = "policy", placement_group=None):
+                 seed: int = 0, name: str = "policy", placement_group=None, config_key: Optional[str] = None):
         self.cfg, self.name = cfg, name
         self.scalar_head, self.init_reference = scalar_head, init_reference
         self.world_size = cluster.gpus_per_node * cluster.num_nodes
@@ -114,6 +115,8 @@ class Policy:
         self._output_rank_of = {lay["dp_rank"]: r for r, lay in enumerate(layouts) if lay["output_rank"]}
         self.devices = [lay["device"] for lay in layouts]  # by global rank: "cuda:0" | "cpu"
         self.dist_backend = layouts[0]["dist_backend"]  # "nccl" | "gloo"
+        self.precision = PrecisionChoice(**layouts[0]["precision"])  # rank 0's: "auto" resolved on its device
+        log_precision(self.precision, f"{config_key or name}.precision")
         log.info("%s: %d %s worker(s) on %s, torch.distributed %s, started in %.1f s", name, self.world_size,
                  cfg.backend, ", ".join(sorted(set(self.devices))), self.dist_backend, self.startup_s)
         if cluster.num_nodes > 1:  # where each rank runs and which network its process groups use

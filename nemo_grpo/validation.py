@@ -34,9 +34,9 @@ from nemo_grpo.errors import require_choice as _choice
 from nemo_grpo.layout import ParallelLayout
 from nemo_grpo.models.files import check_model_dir
 from nemo_grpo.models.lora import validate_lora
+from nemo_grpo.precision import PRECISIONS
 from nemo_grpo.utils.checkpoint import CONFIG_YAML, FINAL_PREFIX, POLICY_DIR, TRAINING_INFO, checkpoint_problem
 
-PRECISIONS = ["float32", "bfloat16"]
 PACKED_ATTENTION = ["varlen", "mask"]
 log = logging.getLogger(__name__)
 
@@ -244,6 +244,8 @@ def _validate_generation(g, greedy_ok: bool = False) -> None:
     _positive(g.max_new_tokens, key + "max_new_tokens")
     _positive(g.refit_bucket_size_mb, key + "refit_bucket_size_mb")
     _positive(g.vllm_cfg.tensor_parallel_size, key + "vllm_cfg.tensor_parallel_size")
+    if g.vllm_cfg.precision is not None:
+        _choice(g.vllm_cfg.precision, key + "vllm_cfg.precision", PRECISIONS)
     _need(0 < g.vllm_cfg.gpu_memory_utilization <= 1, key + "vllm_cfg.gpu_memory_utilization",
           f"must be in (0, 1], got {g.vllm_cfg.gpu_memory_utilization}")
     for name in ("gpus_per_node", "num_nodes"):  # (on GPUs non-colocated generation needs both: refit.py checks)

@@ -88,7 +88,8 @@ class RewardModelTrainer:
         self.pairs_per_step = cfg.policy.train_global_batch_size // 2
         self.checkpointer, self.logger = CheckpointManager(cfg.checkpointing), Logger(cfg.logger, to_dict(cfg))
         init_ray()
-        self.policy = Policy(cfg.policy, cfg.cluster, path, scalar_head=True, seed=cfg.rm.seed, name="reward_model")
+        self.policy = Policy(cfg.policy, cfg.cluster, path, scalar_head=True, seed=cfg.rm.seed, name="reward_model",
+                             config_key="policy")
         self.step = 0
 
     def _tokenized(self, path: str, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -158,7 +159,7 @@ def evaluate(env_cfg, pairs: list[dict], num_workers: int = 1) -> dict[str, tupl
             for side in ("chosen", "rejected")]
     cluster = ClusterConfig(gpus_per_node=num_workers, num_nodes=1)
     with Policy(env_cfg.policy_config(), cluster, env_cfg.model_name, scalar_head=True,
-                name="reward_model") as policy:
+                name="reward_model", config_key="env.reward_model") as policy:
         scores = policy.score(right_padded(rows, pad))  # [2P]: chosen, rejected, ...
     right: dict[str, list[float]] = defaultdict(list)
     for pair, won in zip(pairs, pair_accuracy(scores).tolist()):

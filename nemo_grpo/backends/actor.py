@@ -20,6 +20,7 @@ nemo_grpo/backends/optimizer.py's; per-rank checkpoint state is checkpoint_state
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from functools import partial
 from typing import Any, Iterator, Optional
@@ -37,6 +38,7 @@ from nemo_grpo.backends.registry import backend_spec, policy_layout
 from nemo_grpo.distributed.interfaces import process_group_report
 from nemo_grpo.distributed.worker_group import init_torch_distributed
 from nemo_grpo.models import lora
+from nemo_grpo.precision import choose_precision
 from nemo_grpo.weights.sender import WeightSender
 
 
@@ -69,8 +71,10 @@ class PolicyActor:
 
     def __init__(self, cfg, model_path: str, *, scalar_head: bool = False, init_reference: bool = False,
                  seed: int = 0):
-        self.cfg, self.model_path, self.scalar_head = cfg, model_path, scalar_head
         self.device = init_torch_distributed()
+        self.precision = choose_precision(cfg.precision, self.device)  # "auto" -> this device's choice
+        cfg = dataclasses.replace(cfg, precision=self.precision.precision)
+        self.cfg, self.model_path, self.scalar_head = cfg, model_path, scalar_head
         self.rank, world_size = dist.get_rank(), dist.get_world_size()
         layout = policy_layout(cfg, world_size)
         torch.manual_seed(seed)
@@ -98,10 +102,11 @@ class PolicyActor:
     # ------------------------------------------------------------------------------------------ driver API
     def layout(self) -> dict[str, Any]:
         """Where this rank sits: rank, dp_rank, dp_size, output_rank (1 if it returns its DP group's results),
-        and what it runs on: device ("cuda:0" | "cpu") and dist_backend ("nccl" | "gloo")."""
+        and what it runs on: device ("cuda:0" | "cpu"), dist_backend ("nccl" | "gloo") and precision (the
+        PrecisionChoice, as a dict)."""
         e = self.engine
         return {"rank": self.rank, "dp_rank": e.dp_rank, "dp_size": e.dp_size, "output_rank": int(e.output_rank),
-                "device": str(self.device), "dist_backend": dist.get_backend()}
+                "device": str(self.device), "dist_backend": dist.get_backend(), "precision": self.precision.as_dict()}
 
     def process_group_report(self) -> dict[str, Any]:
         """Where this rank's process groups are (distributed/interfaces.py): hostname, address (the node's Ray

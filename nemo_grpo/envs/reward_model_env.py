@@ -50,7 +50,7 @@ class RewardModelEnvironment(EnvironmentInterface):
         cluster = placement.as_cluster() if placement is not None else \
             ClusterConfig(gpus_per_node=r.gpus_per_node or 1, num_nodes=r.num_nodes or 1)
         self.policy = Policy(cfg.policy_config(), cluster, cfg.model_name, scalar_head=True,
-                             name="reward_model", placement_group=placement_group)
+                             name="reward_model", placement_group=placement_group, config_key="env.reward_model")
         self._truncated = 0
 
     def step(self, message_logs: list[MessageLog], env_infos: list[dict[str, Any]]) -> EnvironmentReturn:

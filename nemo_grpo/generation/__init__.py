@@ -7,8 +7,10 @@ environments. Each is a GenerationEngine (interface.py) whose worker actors are 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
+from typing import Optional
 
 from nemo_grpo.utils.registry import load_registered
 
@@ -28,12 +30,15 @@ def vllm_available() -> bool:
 
 
 def make_generation_engine(cfg, model_path: str, cluster_cfg, *, in_flight_updates: bool = False,
-                           replicas=(None,)):
+                           replicas=(None,), precision: Optional[str] = None):
     """The engine named by policy.generation.backend (vllm falls back to torch, with a notice, where vLLM is
     not installed). in_flight_updates: a refit may land between two forward steps of a generate call under way
     (grpo.async_grpo.in_flight_weight_updates; the engine's actor then runs two calls at once).
     replicas: where Ray places each replica's actor, one scheduling strategy each (resource_plan.engine_replicas:
-    the planned nodes); (None,): one replica, anywhere."""
+    the planned nodes); (None,): one replica, anywhere. precision: policy.precision, the default of
+    cfg.vllm_cfg.precision."""
+    if cfg.vllm_cfg.precision is None and precision is not None:
+        cfg = dataclasses.replace(cfg, vllm_cfg=dataclasses.replace(cfg.vllm_cfg, precision=precision))
     name = cfg.backend
     if name in OPTIONAL and importlib.util.find_spec(OPTIONAL[name][0]) is None:
         fallback = OPTIONAL[name][1]

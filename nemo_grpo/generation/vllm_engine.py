@@ -53,6 +53,7 @@ from transformers import AutoConfig
 from nemo_grpo.generation import vllm_available
 from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput, request_seed
 from nemo_grpo.models.experts import fused_expert_names, unfuse_experts
+from nemo_grpo.precision import choose_precision, log_precision
 from nemo_grpo.weights.receiver import WeightReceiver
 
 # environment of the engine's actor: vLLM's engine core in the actor's own process (no subprocess); refit
@@ -129,7 +130,7 @@ class VllmGenerationWorker:
 
     def __init__(self, model_path: str, num_threads: int = 1, max_model_len: Optional[int] = None,
                  gpu_memory_utilization: float = 0.9, seed: int = 0, tensor_parallel_size: int = 1,
-                 in_flight_updates: bool = False):
+                 in_flight_updates: bool = False, precision: str = "auto"):
         for key, value in ENGINE_ENV.items():
             os.environ[key] = value  # before vLLM is imported; the actor's runtime_env sets them too
         for key, value in QUIET_LOGGING.items():
@@ -140,7 +141,11 @@ class VllmGenerationWorker:
         self.in_flight_updates = in_flight_updates  # generate steps the engine itself, a refit between two steps
         self.weight_receiver = WeightReceiver(self, in_flight_updates)
         self._request_ids = itertools.count()
-        self.llm = self._build_llm(model_path, max_model_len, gpu_memory_utilization, seed, tensor_parallel_size)
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.precision = choose_precision(precision, device)
+        log_precision(self.precision, "policy.generation.vllm_cfg.precision")
+        self.llm = self._build_llm(model_path, max_model_len, gpu_memory_utilization, seed, tensor_parallel_size,
+                                   self.precision.precision)
         config = self.llm.llm_engine.model_config.hf_config
         self.known_names = checkpoint_weight_names(model_path, bool(getattr(config, "tie_word_embeddings", False)))
         self._refit_loaded: Optional[int] = None  # tensors loaded in the open refit; None when none is open
@@ -148,7 +153,7 @@ class VllmGenerationWorker:
 
     @staticmethod
     def _build_llm(model_path: str, max_model_len: Optional[int], gpu_memory_utilization: float, seed: int,
-                   tensor_parallel_size: int):
+                   tensor_parallel_size: int, dtype: str):
         cuda = torch.cuda.is_available()
         if max_model_len is None:
             positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
@@ -161,7 +166,7 @@ class VllmGenerationWorker:
         # exceed one step's token budget failed. Whole prompts per step need a budget of max_model_len.
         prefill = {} if cuda else {"enable_chunked_prefill": False,
                                    "max_num_batched_tokens": max(max_model_len, CPU_PREFILL_TOKENS)}
-        return _vllm().LLM(model=model_path, dtype="bfloat16" if cuda else "float32", enforce_eager=not cuda,
+        return _vllm().LLM(model=model_path, dtype=dtype, enforce_eager=not cuda,
                            max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
                            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                            distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
@@ -317,7 +322,8 @@ class VllmGeneration(GenerationEngine):
 
     The front owns `cfg`: every `generate` call sends it along, so the sampling settings in effect are those of
     `self.cfg` at call time. On a Ray cluster with GPUs each replica takes cfg.vllm_cfg.tensor_parallel_size
-    GPUs (vLLM in bfloat16; its TP workers use the actor's devices).
+    GPUs (its TP workers use the actor's devices). vllm_cfg.precision: null or auto: bf16 where the device computes it
+    natively, else fp32 (nemo_grpo/precision.py).
     """
 
     def __init__(self, cfg, model_path: str, cluster_cfg, *, seed: int = 0, in_flight_updates: bool = False,
@@ -333,7 +339,7 @@ class VllmGeneration(GenerationEngine):
                                         max_concurrency=2 if in_flight_updates else 1,
                                         scheduling_strategy=strategy).remote(
             model_path, cluster_cfg.num_threads_per_worker, v.max_model_len, v.gpu_memory_utilization, seed,
-            v.tensor_parallel_size, in_flight_updates) for strategy in replicas]
+            v.tensor_parallel_size, in_flight_updates, v.precision or "auto") for strategy in replicas]
         # surface start-up errors here, not at the first generate (the replicas start side by side)
         ray.get([replica.__ray_ready__.remote() for replica in self.replicas])
 

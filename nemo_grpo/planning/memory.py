@@ -29,7 +29,7 @@ allocator fragmentation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nemo_grpo.backends.memory_model import Device, Workload
 from nemo_grpo.backends.registry import backend_spec, policy_layout
@@ -38,6 +38,7 @@ from nemo_grpo.errors import ConfigError
 from nemo_grpo.models.counts import total_params
 from nemo_grpo.models.lora import target_modules
 from nemo_grpo.planning.params import hf_config
+from nemo_grpo.precision import gpu_precision
 
 GIB = float(1 << 30)
 RUNTIME_RESERVE_GIB = 3.0
@@ -140,8 +141,10 @@ def _with_reserve(devices: list[Device]) -> list[Device]:
 
 # ---------------------------------------------------------------------------------------------- the plan
 def plan_memory(cfg, plan=None) -> MemoryPlan:
-    """The per-GPU memory of cfg's roles on cfg.cluster (plan: its resource plan, made here when None)."""
+    """The per-GPU memory of cfg's roles on cfg.cluster (plan: its resource plan, made here when None).
+    Precision "auto" counts as bf16: every GPU planned for computes it (precision.gpu_precision)."""
     plan = plan or plan_resources(cfg)
+    cfg = _with_gpu_precisions(cfg)
     gpu = cfg.cluster.gpu_memory_gib * GIB
     spec = _spec(cfg.policy, "policy", False)
     roles = [_policy_role(cfg, plan, spec, gpu)]
@@ -159,6 +162,14 @@ def plan_memory(cfg, plan=None) -> MemoryPlan:
     if r is not None and r.active:
         roles.append(_reward_model_role(r, plan))
     return MemoryPlan(gpu, roles)
+
+
+def _with_gpu_precisions(cfg):
+    """cfg with "auto" precisions (the policy's, the reward model's) replaced by what a GPU runs."""
+    policy = replace(cfg.policy, precision=gpu_precision(cfg.policy.precision))
+    r = cfg.env.reward_model
+    env = cfg.env if r is None else replace(cfg.env, reward_model=replace(r, precision=gpu_precision(r.precision)))
+    return replace(cfg, policy=policy, env=env)
 
 
 def _spec(p, key: str, scalar_head: bool):

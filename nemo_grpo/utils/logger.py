@@ -22,8 +22,6 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
@@ -167,6 +165,10 @@ def metric_series(records: list[dict], prefix: str, name: str) -> tuple[list[int
 
 def plot_reward_curves(metrics_path: str, png_path: str) -> str:
     """PNG with two panels: train/reward and val/accuracy per step, read from metrics_path."""
+    # here, not at the top: matplotlib's first import on a machine builds its font cache (fc-list, seconds)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     records = read_metrics(metrics_path)
     fig = Figure(figsize=(10, 4), dpi=100)
     FigureCanvasAgg(fig)  # attaches the Agg canvas: no pyplot, no display, no global backend switch

@@ -188,8 +188,8 @@ def assert_scores_match_hf(policy: Policy, path: str, batch: dict) -> torch.Tens
 
 def policy_config(path: str, backend: str = "dtensor", **overrides) -> PolicyConfig:
     """A small-batch, large-lr config (clipping active) with dotted overrides, e.g. {"dtensor_cfg.x": 2}."""
-    cfg = PolicyConfig(model_name=path, backend=backend, train_global_batch_size=4, train_micro_batch_size=1,
-                       logprob_batch_size=2, max_grad_norm=0.05)
+    cfg = PolicyConfig(model_name=path, backend=backend, precision="float32", train_global_batch_size=4,
+                       train_micro_batch_size=1, logprob_batch_size=2, max_grad_norm=0.05)
     cfg.optimizer.lr, cfg.optimizer.warmup_steps = 1e-2, 2
     cfg.generation.temperature = TEMPERATURE
     for key, value in overrides.items():

@@ -22,7 +22,8 @@ def full_state(policy: Policy) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("backend", ["dtensor", "megatron"])
 def test_non_finite_gradient_skips_the_step(ray_cluster, tiny_model_dir, backend):
-    cfg = PolicyConfig(backend=backend, train_global_batch_size=4, train_micro_batch_size=2, max_grad_norm=1.0)
+    cfg = PolicyConfig(backend=backend, precision="float32", train_global_batch_size=4, train_micro_batch_size=2,
+                       max_grad_norm=1.0)
     batch = make_batch(4, seed=3)
     poisoned = dict(batch, advantages=batch["advantages"].clone())
     poisoned["advantages"][0, 3] = float("nan")  # one token's advantage: the loss and every gradient are nan

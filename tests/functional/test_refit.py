@@ -99,8 +99,8 @@ def sampled_vs_policy(engine, policy: Policy, seed: int) -> tuple[float, dict[st
 @pytest.fixture(scope="module")
 def policy(ray_cluster, tiny_model_dir):
     path = tiny_model_dir("qwen2", seed=3)
-    cfg = PolicyConfig(model_name=path, train_global_batch_size=4, train_micro_batch_size=2, logprob_batch_size=8,
-                       max_grad_norm=None)
+    cfg = PolicyConfig(model_name=path, precision="float32", train_global_batch_size=4, train_micro_batch_size=2,
+                       logprob_batch_size=8, max_grad_norm=None)
     cfg.optimizer.lr = 1e-2
     cfg.generation.temperature, cfg.generation.max_new_tokens = 0.7, MAX_NEW
     cfg.generation.refit_bucket_size_mb = BUCKET_MB

@@ -1,8 +1,8 @@
 """configs/grpo_smollm2_arith_cpu.yaml, the recipe that shows the real checkpoint learning, for its first 2 steps
 (in this process, on the session's Ray cluster, with its data written by nemo_grpo.data.word_problems), then
 configs/eval_smollm2_arith_cpu.yaml on the checkpoint it wrote (on the torch engine: it starts in seconds). The
-recipe's own settings (async GRPO, a non-colocated vLLM engine, packing, bf16, SmolLM2's chat template, the math
-environment on JSONL rows) are kept; only the batch, the answer length and the validation set are cut down."""
+recipe's own settings (async GRPO, a non-colocated vLLM engine, packing, SmolLM2's chat template, the math
+environment on JSONL rows, precision auto) are kept; only the batch, the answer length and the validation set are cut down."""
 
 import json
 import os
@@ -28,7 +28,7 @@ def test_recipe_first_two_steps_then_eval_of_its_checkpoint(user_console, ray_cl
         tmp_path, "grpo.max_num_steps=2", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
         "policy.train_global_batch_size=4", "policy.generation.max_new_tokens=16", "grpo.max_val_samples=4",
         "grpo.val_batch_size=4", "checkpointing.save_period=2", f"data.train.data_path={train}",
-        f"data.validation.data_path={heldout}", config=RECIPE)
+        f"data.validation.data_path={heldout}", "policy.precision=auto", config=RECIPE)
     steps = read_metrics(f"{tmp_path}/logs", "train")
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["trajectory_age_max"] <= 1 for r in read_metrics(f"{tmp_path}/logs", "async"))

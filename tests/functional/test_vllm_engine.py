@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nemo_grpo.config import ClusterConfig, GenerationConfig
+from nemo_grpo.config import ClusterConfig, GenerationConfig, VllmConfig
 from nemo_grpo.generation.torch_engine import filter_logits
 from nemo_grpo.generation import vllm_available
 from nemo_grpo.generation.vllm_engine import CPU_PREFILL_TOKENS, VllmGeneration, request_seed, sampling_kwargs
@@ -20,12 +20,13 @@ from weight_io import update_weights
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 
 MAX_NEW = 8
+FP32 = VllmConfig(precision="float32")  # "auto" would be bf16 on a CPU with native bf16; HF is the fp32 reference
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [40, 41]]
 
 
 @pytest.fixture(scope="module")
 def engine(ray_cluster, tiny_model_dir):
-    eng = VllmGeneration(GenerationConfig(max_new_tokens=MAX_NEW), tiny_model_dir("qwen2", seed=3), ClusterConfig())
+    eng = VllmGeneration(GenerationConfig(max_new_tokens=MAX_NEW, vllm_cfg=FP32), tiny_model_dir("qwen2", seed=3), ClusterConfig())
     yield eng
     eng.shutdown()
     eng.shutdown()  # safe twice
@@ -135,7 +136,7 @@ def test_moe_refit_of_fused_experts_generates_like_hf(ray_cluster, tiny_model_di
     twice: the second is the weight update after which vLLM's CPU kernel needs its experts packed again."""
     paths = [tiny_model_dir("qwen3_moe", seed=s) for s in (0, 1)]
     models = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in paths]
-    eng = VllmGeneration(GenerationConfig(max_new_tokens=MAX_NEW), paths[0], ClusterConfig())
+    eng = VllmGeneration(GenerationConfig(max_new_tokens=MAX_NEW, vllm_cfg=FP32), paths[0], ClusterConfig())
     try:
         for model in (models[1], models[0]):
             update_weights(eng, [model.state_dict()])
@@ -184,10 +185,8 @@ def test_sampling_kwargs_and_request_seeds():
 def test_tensor_parallel_engine_generates_and_refits_like_hf(ray_cluster, hf, tiny_model_dir):
     """vllm_cfg.tensor_parallel_size=2 (two vLLM worker processes on the CPU): greedy tokens and sampled-token
     log-probs equal HF's before and after a bucketed refit (each TP worker keeps its shard of every bucket)."""
-    from nemo_grpo.config import VllmConfig
-
     old, new, tok = hf
-    cfg = GenerationConfig(max_new_tokens=MAX_NEW, vllm_cfg=VllmConfig(tensor_parallel_size=2))
+    cfg = GenerationConfig(max_new_tokens=MAX_NEW, vllm_cfg=VllmConfig(tensor_parallel_size=2, precision="float32"))
     eng = VllmGeneration(cfg, tiny_model_dir("qwen2", seed=3), ClusterConfig())
     try:
         assert [o.token_ids for o in eng.generate(PROMPTS, greedy=True)] == [hf_greedy(old, tok, p) for p in PROMPTS]

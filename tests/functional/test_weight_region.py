@@ -32,7 +32,7 @@ def test_region_buckets_equal_the_export(ray_cluster, tiny_model_dir, layout, dt
     if dtype is None and layout != "dtensor_dp2":
         pytest.skip("one layout suffices for the uncast plan")
     path = tiny_model_dir("llama", seed=5)  # 55 vocabulary rows: FSDP's shards of the embedding are uneven
-    cfg = PolicyConfig(model_name=path, backend=backend)
+    cfg = PolicyConfig(model_name=path, backend=backend, precision="float32")
     for key, value in overrides.items():
         set_key(cfg, key, value)
     cluster = ClusterConfig(gpus_per_node=ranks, num_nodes=1, num_threads_per_worker=1)

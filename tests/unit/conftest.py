@@ -3,6 +3,7 @@ tries fails at once with where it belongs; such a test lives in tests/functional
 
 import subprocess
 
+import matplotlib.font_manager  # noqa: F401  its first import on a machine runs fc-list: before the refusal below
 import pytest
 
 

@@ -13,7 +13,7 @@ PACKAGE = os.path.join(os.path.dirname(__file__), "..", "..", "nemo_grpo")
 # ARCHITECTURE.md's floors: a room (top-level module or package of nemo_grpo) imports rooms on its floor or below
 FLOORS = {
     "errors": 0,
-    "config": 1, "config_policy": 1, "layout": 1,
+    "config": 1, "config_policy": 1, "layout": 1, "precision": 1,
     "utils": 2, "data": 2, "distributed": 2, "weights": 2, "batch": 2,
     "models": 3,
     "backends": 4, "generation": 4,

@@ -200,7 +200,8 @@ def test_dtensor_figures_by_hand(small_model_dir):
     """FSDP 4 x TP 2, fp32: sharded parameters, gradients and two Adam moments; while loading the shards and one
     checkpoint tensor (the largest: the 1000 x 256 embedding) being read, not the full model."""
     _, _, memory = plan_recipe(None, [f"policy.model_name={small_model_dir}", "cluster.gpus_per_node=8",
-                                      "policy.dtensor_cfg.tensor_parallel_size=2", "policy.generation.backend=torch"])
+                                      "policy.dtensor_cfg.tensor_parallel_size=2", "policy.generation.backend=torch",
+                                      "policy.precision=float32"])
     split_layer = (256 + 128 + 128) * 256 // 2 + 256 * 256 // 2 + 3 * 512 * 256 // 2 + 2 * 256
     n = (2 * split_layer + 2 * 1000 * 256 + 256) // 4
     train = _rows(memory, 0, 0, "training")
@@ -496,7 +497,7 @@ def test_dtensor_context_parallel_figures_by_hand(small_model_dir):
     """FSDP over DP 2 x CP 2 x TP 2, fp32 (test_dtensor_figures_by_hand with CP 2 in place of half of FSDP 4): the
     same FSDP shards (over the 4 dp x cp ranks); activations and logits halved; K/V of both layers added."""
     common = [f"policy.model_name={small_model_dir}", "cluster.gpus_per_node=8", "policy.generation.backend=torch",
-              "policy.dtensor_cfg.tensor_parallel_size=2"]
+              "policy.dtensor_cfg.tensor_parallel_size=2", "policy.precision=float32"]
     _, _, base = plan_recipe(None, common)
     _, _, memory = plan_recipe(None, common + ["policy.dtensor_cfg.context_parallel_size=2"])
     assert memory.roles[0].layout.startswith("dtensor FSDP 4 (DP 2 x CP 2) x TP 2 = 8 GPUs")
