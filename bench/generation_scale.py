@@ -39,11 +39,11 @@ def model_path(name: str, workdir: str) -> str:
 
 def grpo_call(path: str, prompts: int, samples: int) -> list[list[int]]:
     """`prompts` chat prompts (the questions above, rendered by the model's template), `samples` copies each."""
-    from transformers import AutoTokenizer
+    from nemo_grpo.models.tokenizer import load_tokenizer
 
     from nemo_grpo.data.prompts import render_prompt
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     rendered = [render_prompt(tokenizer, [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] +
                                            " Please." * (i // len(QUESTIONS))}]) for i in range(prompts)]
     return [list(ids) for ids in rendered for _ in range(samples)]

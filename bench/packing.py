@@ -68,13 +68,13 @@ def word_problems(n: int, seed: int) -> list[str]:
 def sample_conversations(path: str, n: int, max_new_tokens: int, seed: int) -> tuple[list[list[int]], list[int],
                                                                                      int]:
     """(prompt + answer token ids per problem, answer lengths, answers cut at max_new_tokens), one sample each."""
-    from transformers import AutoTokenizer
+    from nemo_grpo.models.tokenizer import load_tokenizer
 
     from nemo_grpo.config import ClusterConfig, GenerationConfig
     from nemo_grpo.data.prompts import render_prompt
     from nemo_grpo.generation import make_generation_engine
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     prompts = [render_prompt(tokenizer, [{"role": "user", "content": q}]) for q in word_problems(n, seed)]
     gen = GenerationConfig(backend="vllm", max_new_tokens=max_new_tokens, temperature=1.0)
     engine = make_generation_engine(gen, path, ClusterConfig(gpus_per_node=2, num_nodes=1,
@@ -218,7 +218,7 @@ def main() -> None:
         for n in args.row_repeat:
             kernel_table(args.device, args.repeats, n)
         return
-    from transformers import AutoTokenizer
+    from nemo_grpo.models.tokenizer import load_tokenizer
 
     from nemo_grpo.distributed.cluster import init_ray
     from nemo_grpo.models.builtin import resolve_model_path
@@ -232,7 +232,7 @@ def main() -> None:
         print(f"{name} tokens over {len(values)} samples: min {min(values)}, median {statistics.median(values):g}, "
               f"max {max(values)}, mean {statistics.mean(values):.1f}")
     print(f"answers that reached --max-new-tokens {args.max_new_tokens}: {cut}; the others stopped at EOS")
-    batch = make_batch(rows, prompt_lengths, AutoTokenizer.from_pretrained(path).pad_token_id)
+    batch = make_batch(rows, prompt_lengths, load_tokenizer(path).pad_token_id)
     results = {mode: run_mode(path, mode, batch, args.precision) for mode in MODES}
     base = results["padded"]
     print(f"\nreal tokens: {base['real']}; DTensor DP=2, 1 thread per rank, {args.precision}; ratios against padded")

@@ -8,7 +8,6 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
-from transformers import AutoTokenizer
 
 from nemo_grpo.algorithms.evaluation import Evaluator
 from nemo_grpo.algorithms.grpo import GRPOTrainer, RunActors
@@ -24,6 +23,7 @@ from nemo_grpo.errors import DataError
 from nemo_grpo.generation import make_generation_engine
 from nemo_grpo.models.builtin import resolve_model_path
 from nemo_grpo.models.files import check_model_dir
+from nemo_grpo.models.tokenizer import load_tokenizer as load_tokenizer_dir
 from nemo_grpo.policy import Policy
 from nemo_grpo.utils.checkpoint import CONFIG_YAML, POLICY_DIR, TRAINING_INFO, CheckpointManager
 from nemo_grpo.utils.logger import Logger
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def load_tokenizer(cfg: MasterConfig, model_path: str):
-    tokenizer = AutoTokenizer.from_pretrained(cfg.policy.tokenizer.name or model_path)
+    tokenizer = load_tokenizer_dir(cfg.policy.tokenizer.name or model_path)
     if cfg.policy.tokenizer.chat_template is not None:
         tokenizer.chat_template = cfg.policy.tokenizer.chat_template
     if tokenizer.pad_token_id is None:

@@ -23,13 +23,14 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from nemo_grpo.config import ClusterConfig, to_dict, to_yaml
 from nemo_grpo.data.preferences import pad_id_of, pair_batch, read_preference_pairs, render_conversation, right_padded
 from nemo_grpo.distributed.cluster import init_ray
 from nemo_grpo.envs.reward_model_env import reward_model_tokenizer
 from nemo_grpo.models.builtin import resolve_model_path
+from nemo_grpo.models.tokenizer import load_tokenizer
 from nemo_grpo.policy import Policy
 from nemo_grpo.utils.checkpoint import CheckpointManager
 from nemo_grpo.utils.logger import Logger
@@ -67,7 +68,7 @@ def prepare_model(model_path: str, out_dir: str, seed: int) -> str:
     target = os.path.join(out_dir, "init")
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
@@ -81,7 +82,7 @@ class RewardModelTrainer:
         """cfg: RMTrainConfig (nemo_grpo/config.py), validated."""
         self.cfg = cfg
         path = prepare_model(resolve_model_path(cfg.policy.model_name), cfg.rm.output_dir, cfg.rm.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = load_tokenizer(path)
         self.pad_id = pad_id_of(self.tokenizer)
         self.train_pairs = self._tokenized(cfg.data.train_data_path, seed=0)
         self.val_pairs = self._tokenized(cfg.data.val_data_path, seed=1) if cfg.data.val_data_path else []

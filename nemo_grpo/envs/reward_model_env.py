@@ -16,11 +16,11 @@ import logging
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from nemo_grpo.config import ClusterConfig
 from nemo_grpo.data.preferences import pad_id_of, render_conversation, right_padded
 from nemo_grpo.envs.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
+from nemo_grpo.models.tokenizer import load_tokenizer
 from nemo_grpo.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ PREFIX = "reward_model_env"
 
 def reward_model_tokenizer(cfg):
     """env.reward_model -> (its tokenizer, with tokenizer.chat_template applied when set; its pad id, else 0)."""
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer.name or cfg.model_name)
+    tokenizer = load_tokenizer(cfg.tokenizer.name or cfg.model_name)
     if cfg.tokenizer.chat_template is not None:
         tokenizer.chat_template = cfg.tokenizer.chat_template
     return tokenizer, pad_id_of(tokenizer)

@@ -13,10 +13,11 @@ from typing import Optional
 
 import ray
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput, request_seed
 from nemo_grpo.models.experts import moe_routers
+from nemo_grpo.models.tokenizer import load_tokenizer
 from nemo_grpo.weights.receiver import WeightReceiver
 
 
@@ -41,7 +42,7 @@ class TorchGenerationWorker:
         torch.set_num_threads(num_threads)
         self.weight_receiver = WeightReceiver(self, in_flight_updates)
         self.cfg = cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = load_tokenizer(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stop_ids = {self.tokenizer.eos_token_id, *(cfg.stop_token_ids or [])} - {None}

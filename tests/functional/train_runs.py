@@ -12,7 +12,8 @@ import sys
 
 import pytest
 from policy_checks import export_state, load_hf
-from transformers import AutoTokenizer
+
+from nemo_grpo.models.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -118,7 +119,7 @@ def policy_expected_reward(trainer) -> float:
     path = resolve_model_path(trainer.cfg.policy.model_name)  # cached: the directory build_trainer loaded
     model = load_hf(path, export_state(trainer.policy))
     problems = BUILTIN_DATASETS[trainer.cfg.data.train.dataset_name]()
-    return expected_reward(model.eval(), AutoTokenizer.from_pretrained(path), problems)
+    return expected_reward(model.eval(), load_tokenizer(path), problems)
 
 
 def read_metrics(log_dir, prefix):
