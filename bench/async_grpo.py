@@ -27,6 +27,7 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 
 import torch  # noqa: E402
+from timing import machine_line  # noqa: E402  (bench/timing.py)
 
 SECTIONS = ("generation", "environment", "logprobs", "training", "refit", "generation_wait", "total")
 
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--max-age", type=int, default=1)
     ap.add_argument("--policy-ranks", type=int, default=1)
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     torch.set_num_threads(1)
     results = {"sync": run(args, False), f"async (age <= {args.max_age})": run(args, True)}
     print(f"\n{args.steps} steps, median after {args.warmup}; engine {args.engine}, non-colocated; "

@@ -20,7 +20,7 @@ import os
 import tempfile
 
 import torch
-from timing import median_seconds  # bench/timing.py
+from timing import median_seconds, machine_line  # bench/timing.py
 
 REPLICAS = (1, 2)
 QUESTIONS = ["What is 17 + 25?", "Name three primary colours.", "Write a haiku about rain.",
@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     torch.set_num_threads(1)
     from nemo_grpo.config import ClusterConfig, PolicyConfig
     from nemo_grpo.distributed.cluster import init_ray

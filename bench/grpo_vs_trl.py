@@ -5,13 +5,15 @@
     python bench/grpo_vs_trl.py --model builtin:smollm2-135m-instruct --prompts 4 --group 4 --max-new-tokens 64 \
         --steps 6 --warmup 1 --only trl vllm async      # the real checkpoint: longer answers, compute dominates
     python bench/grpo_vs_trl.py ... --precision bfloat16   # both in bf16 mixed precision (fp32 master weights)
+    python bench/grpo_vs_trl.py ... --precision auto       # bf16 where this CPU computes it natively, else fp32
     python bench/grpo_vs_trl.py ... --packing              # nemo_grpo packs its rows (policy.sequence_packing)
 
 Same for every run: builtin:tiny-addition (or --model), the 100 additions "a+b=" (through the model's chat
 template when it has a real one: SmolLM2's ChatML), 16 prompts x 8 samples per step, at most 4 new tokens
 (--prompts, --group, --max-new-tokens), temperature 1.0, AdamW lr 5e-4 (constant), max_grad_norm 0.2, no KL
 (beta 0), ratio clip 0.2, group-std advantages, reward = math-verify via nemo_grpo.envs.math_env.verify_answer,
-seed 42. --precision bfloat16: ours policy.precision=bfloat16 (the policy's bf16 compute over fp32 master
+seed 42. --precision auto (nemo_grpo/precision.py: bf16 on a CPU with AVX512-BF16 or AMX, else fp32) is
+resolved here once and given to both. --precision bfloat16: ours policy.precision=bfloat16 (the policy's bf16 compute over fp32 master
 weights; vLLM on the CPU still samples in fp32), TRL's bf16=True (accelerate's bf16 autocast around its model,
 fp32 weights). --packing: nemo_grpo's policy packs each rank's rows into rows of at most micro-batch x longest
 tokens (policy.sequence_packing.enabled=true alone); TRL pads, as its GRPOTrainer does.
@@ -52,7 +54,9 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
-from timing import median_seconds  # noqa: E402  (bench/timing.py)
+from timing import median_seconds, machine_line  # noqa: E402  (bench/timing.py)
+
+from nemo_grpo.precision import choose_precision  # noqa: E402
 
 TEMPERATURE, LR, GRAD_NORM = 1.0, 5e-4, 0.2
 MODEL = "builtin:tiny-addition"
@@ -85,7 +89,7 @@ def nemo_overrides(engine: str, args, log_dir: str) -> list[str]:
     if args.packing:
         sizes.append("policy.sequence_packing.enabled=true")
     return sizes + [
-            f"policy.model_name={args.model}", f"policy.precision={args.precision}",
+            f"policy.model_name={args.model}", f"policy.precision={args.resolved}",
             f"policy.generation.backend={engine}",
             f"grpo.num_prompts_per_step={args.prompts}", f"grpo.num_generations_per_prompt={args.group}",
             f"policy.train_global_batch_size={args.samples}", f"policy.generation.max_new_tokens={args.max_new_tokens}",
@@ -182,7 +186,7 @@ def trl_child(args) -> None:
                for p in problems]  # a real checkpoint: conversational, so TRL applies its chat template as we do
     ds = Dataset.from_dict({"prompt": prompts, "answer": [p["answer"] for p in problems]})
     out_dir = tempfile.mkdtemp(prefix="bench_trl_")
-    cfg = GRPOConfig(output_dir=out_dir, use_cpu=True, bf16=args.precision == "bfloat16", learning_rate=LR,
+    cfg = GRPOConfig(output_dir=out_dir, use_cpu=True, bf16=args.resolved == "bfloat16", learning_rate=LR,
                      lr_scheduler_type="constant",
                      weight_decay=0.0, max_grad_norm=GRAD_NORM, per_device_train_batch_size=args.samples,
                      gradient_accumulation_steps=1, num_generations=args.group,
@@ -242,7 +246,8 @@ def print_table(results: dict[str, dict], args) -> None:
     rows = {name: summarize(r, args.warmup) for name, r in results.items()}
     ref = rows.get("TRL GRPOTrainer")
     print(f"\n{args.model}: {args.steps} steps of {args.prompts} prompts x {args.group} samples, <= "
-          f"{args.max_new_tokens} new tokens, {args.precision}{', nemo_grpo packed' if args.packing else ''}; "
+          f"{args.max_new_tokens} new tokens, {args.precision} -> {args.resolved} on CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}{', nemo_grpo packed' if args.packing else ''}; "
           f"s/step = median "
           f"after {args.warmup} warm-up steps; reward = mean of the last 10 steps; 1 torch thread per process; "
           f"nemo_grpo with {args.policy_ranks} policy rank(s); shared CPU: figures are noisy")
@@ -283,15 +288,18 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--policy-ranks", type=int, default=2, help="DTensor policy processes (default recipe: 2)")
-    ap.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
-                    help="bfloat16: bf16 mixed precision in both frameworks")
+    ap.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="float32",
+                    help="bfloat16: bf16 mixed precision in both frameworks; auto: bf16 where this CPU computes it "
+                         "natively, else fp32")
     ap.add_argument("--packing", action="store_true", help="nemo_grpo packs its rows (sequence packing)")
     ap.add_argument("--only", nargs="+", choices=["vllm", "torch", "trl", "async"],
                     default=["vllm", "torch", "trl", "async"], help="async: nemo_grpo async GRPO, vLLM engine")
     ap.add_argument("--trl-out", help=argparse.SUPPRESS)  # internal: run as the TRL subprocess
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     args.samples = args.prompts * args.group
     torch.set_num_threads(1)
+    args.resolved = choose_precision(args.precision, torch.device("cpu")).precision
     if args.trl_out:
         return trl_child(args)
     results = {}

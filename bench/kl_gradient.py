@@ -11,6 +11,7 @@ error |E[grad] - grad KL| / |grad KL| and the cosine with grad KL(pi || pi_ref) 
 import argparse
 
 import torch
+from timing import machine_line  # bench/timing.py
 
 from nemo_grpo.algorithms.kl import KL_TYPES, calculate_kl, kl_penalty_per_token
 
@@ -45,6 +46,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=7)
     ap.add_argument("--seeds", type=int, default=20)
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     cos = torch.nn.functional.cosine_similarity
     print(f"{'estimator':<10}{'sampler':<9}{'code':<8}{'rel. error':>12}{'cos fwd KL':>12}{'cos rev KL':>12}")
     for kl_type in KL_TYPES:

@@ -28,7 +28,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
-from timing import MeanLogprobLoss, resident_bytes  # noqa: E402  (bench/timing.py)
+from timing import MeanLogprobLoss, resident_bytes, machine_line  # noqa: E402  (bench/timing.py)
 
 MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=1, head_dim=64, vocab_size=1000, max_position_embeddings=16384)
@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--starts", type=int, default=2, help="fresh policies per cell: the smallest peak is reported")
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     torch.set_num_threads(1)
 
     import ray

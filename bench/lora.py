@@ -20,7 +20,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import argparse  # noqa: E402
 
 from policy_layouts import make_batch  # noqa: E402  (bench/policy_layouts.py)
-from timing import MeanLogprobLoss, median_seconds  # noqa: E402  (bench/timing.py)
+from timing import MeanLogprobLoss, median_seconds, machine_line  # noqa: E402  (bench/timing.py)
 
 MODELS = ["builtin:tiny-addition", "builtin:smollm2-135m-instruct"]
 
@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     from nemo_grpo.distributed.cluster import init_ray
 
     init_ray()

@@ -38,7 +38,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from timing import MeanLogprobLoss, resident_bytes  # noqa: E402  (bench/timing.py)
+from timing import MeanLogprobLoss, resident_bytes, machine_line  # noqa: E402  (bench/timing.py)
 from nemo_grpo.backends.batching import fixed_size_groups  # noqa: E402
 from nemo_grpo.batch import StepBatch  # noqa: E402
 
@@ -172,6 +172,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="tokens per row")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     torch.set_num_threads(1)
 
     import ray

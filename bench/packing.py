@@ -41,7 +41,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
-from timing import median_seconds  # noqa: E402  (bench/timing.py)
+from timing import median_seconds, machine_line  # noqa: E402  (bench/timing.py)
 
 MODES = ("padded", "dynamic", "packed")
 KERNEL_ROW = [137, 593, 293, 211, 450, 64, 300, 380, 250, 222]  # 2,900 tokens in 10 sequences
@@ -213,6 +213,7 @@ def main() -> None:
     ap.add_argument("--row-repeat", type=int, nargs="+", default=[1],
                     help="--kernels: rows of KERNEL_ROW's sequences this many times over (one table each)")
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     torch.set_num_threads(1)
     if args.kernels:
         for n in args.row_repeat:

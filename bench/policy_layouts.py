@@ -32,7 +32,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 import torch  # noqa: E402
-from timing import MeanLogprobLoss, median_seconds  # noqa: E402  (bench/timing.py)
+from timing import MeanLogprobLoss, median_seconds, machine_line  # noqa: E402  (bench/timing.py)
 
 LAYOUTS = {  # name -> (backend, world size, policy overrides)
     "megatron:tp1": ("megatron", 1, {}),
@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--attention", action="store_true", help="only the unfused vs SDPA core-attention table")
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     torch.set_num_threads(1)
     if args.attention:
         return attention_table(args)

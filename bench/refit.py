@@ -21,7 +21,7 @@ import os
 import tempfile
 
 import torch
-from timing import median_seconds  # bench/timing.py
+from timing import median_seconds, machine_line  # bench/timing.py
 
 MODES = ("colocated", "non-colocated")
 SHAPES = {"tiny": {}, "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=2,
                     help="policy ranks (DTensor data parallel); on a GPU machine one per GPU, e.g. 1 on one GPU")
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     torch.set_num_threads(1)
     from nemo_grpo.distributed.cluster import init_ray
     from nemo_grpo.generation import vllm_available

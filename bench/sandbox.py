@@ -19,7 +19,7 @@ import argparse  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from timing import median_seconds  # noqa: E402  (bench/timing.py)
+from timing import median_seconds, machine_line  # noqa: E402  (bench/timing.py)
 
 
 def overhead(repeats: int) -> dict[str, float]:
@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--programs", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     from nemo_grpo.distributed.cluster import init_ray
 
     rows = overhead(args.repeats)

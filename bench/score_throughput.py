@@ -21,7 +21,7 @@ import argparse  # noqa: E402
 import tempfile  # noqa: E402
 
 import torch  # noqa: E402
-from timing import median_seconds  # noqa: E402  (bench/timing.py)
+from timing import median_seconds, machine_line  # noqa: E402  (bench/timing.py)
 
 LAYOUTS = {"dtensor:tp1": ("dtensor", 1), "dtensor:tp2": ("dtensor", 2),
            "megatron:tp1": ("megatron", 1), "megatron:tp2": ("megatron", 2)}
@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     torch.set_num_threads(1)
 
     import ray

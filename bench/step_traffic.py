@@ -32,6 +32,7 @@ import tempfile  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 from ray.actor import ActorMethod  # noqa: E402
+from timing import machine_line  # noqa: E402  (bench/timing.py)
 
 SECTIONS = ("generation", "environment", "logprobs", "training", "refit", "total")
 
@@ -128,6 +129,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, as for python -m nemo_grpo.train")
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     torch.set_num_threads(1)
     traffic, timings = run(args)
     methods = sorted({m for t in traffic for m in t}, key=lambda m: -sum(t.get(m, 0) for t in traffic))
