@@ -85,29 +85,33 @@ def test_grpo_against_a_reward_model_trained_here(ray_cluster, run_actors_pool, 
     assert all(r["reward_model_env/num_samples"] == 128 for r in trainer.history)
 
 
-# The code recipe over CODE_STEPS steps, validation (greedy, 60 problems) at 0 and CODE_STEPS. Measured with seeds
-# 42 (the recipe's), 1, 2, 3 (grpo.seed), validation accuracy from 0.08: at step 20 0.40, 0.90, 1.00, 0.83 (at step
-# 40 0.90 in all four); sampled reward, mean of steps 11-20 minus steps 1-10: +0.07, +0.21, +0.19, +0.20. Greedy
-# validation does not move without learning, so +0.2 leaves a margin of 0.12 at the worst seed; the reward's +0.03
-# keeps the sampled side honest. (The policy's exact probability of the reference programs is no measure here: it
-# may learn other programs that print the right value, "print(12)" for "code:3 times 4=". At seed 42 that
-# probability fell from 0.022 to 0.010 in 10 steps, where seeds 1, 2, 3 took it to 0.25, 0.28, 0.24.)
-CODE_STEPS = 20
+# The code recipe over CODE_STEPS steps, in fp32. builtin:tiny-code starts with P(reference program) 0.445 on its
+# 300 problems (greedy validation 1.0; sampled reward 0.42), so nearly every group of 4 carries a signal from step
+# 1: no step had a zero gradient. Measured (policy_expected_reward gain after 30 steps; sampled reward, mean of
+# steps 21-30 minus steps 1-10), grpo.seed 42 (the recipe's), 1, 2, 3, on an AMD EPYC at torch capability AVX2
+# (vLLM engine), and the same machine held to capability DEFAULT (ATEN_CPU_CAPABILITY=default, its own warm start;
+# the torch engine: vLLM's compiled CPU kernels do not build at DEFAULT):
+#   AVX2     exact +0.115 +0.130 +0.124 +0.132   reward +0.152 +0.119 +0.133 +0.081
+#   DEFAULT  exact +0.134 +0.127 +0.112          reward +0.102 +0.119 +0.094
+# (Before the tokenizer fix, models/tokenizer.py, the policy saw the prompts without their spaces: sampled reward
+# 0.03, and from step 5 to 40 every group scored 0 on this machine.) The criteria leave a margin of 0.05 or more
+# on every row (the exact gain is the noise-free one; the sampled reward's only says it moves the same way).
+CODE_STEPS = 30
+CODE_EXACT_GAIN, CODE_REWARD_GAIN = 0.06, 0.03
 
 
 @pytest.mark.slow
 def test_code_recipe_learns(ray_cluster, run_actors_pool, tmp_path):
-    """GRPO with the code environment: programs run in the sandbox; greedy accuracy and reward rise."""
-    trainer, _ = train_in_process(tmp_path, "logger.plot=false", f"grpo.max_num_steps={CODE_STEPS}",
-                                  f"grpo.val_period={CODE_STEPS}", ONE_REPLICA,
-                                  config="configs/grpo_code_tiny_cpu.yaml",
-                                  pool=run_actors_pool)
-    rewards = [r["reward"] for r in trainer.history]
-    first, last = first_and_last_10(rewards)
-    val = read_metrics(f"{tmp_path}/logs", "val")
-    assert [v["step"] for v in val] == [0, CODE_STEPS]
-    assert val[-1]["accuracy"] >= val[0]["accuracy"] + 0.2, val
-    assert last - first >= 0.03, (first, last)
+    """GRPO with the code environment: programs run in the sandbox; from the first step every optimizer step has
+    a signal, and the policy's exact probability of the reference programs and its sampled reward rise."""
+    trainer, (before, after) = train_in_process(
+        tmp_path, "logger.plot=false", f"grpo.max_num_steps={CODE_STEPS}", "grpo.val_period=0",
+        "grpo.val_at_start=false", "grpo.val_at_end=false", ONE_REPLICA, config="configs/grpo_code_tiny_cpu.yaml",
+        measure=policy_expected_reward, pool=run_actors_pool)
+    first, last = first_and_last_10([r["reward"] for r in trainer.history])
+    assert after - before >= CODE_EXACT_GAIN, (before, after)
+    assert last - first >= CODE_REWARD_GAIN, (first, last)
+    assert all(r["grad_norm"] > 0 for r in trainer.history), [r["grad_norm"] for r in trainer.history]
     assert all(r["code/num_samples"] == 64 for r in trainer.history)
 
 
