@@ -128,6 +128,9 @@ class GRPOConfig:
     advantage_clip_low: Optional[float] = None  # advantages clamped to [low, high] after the estimator
     advantage_clip_high: Optional[float] = None  # upper bound of that clamp (>= 0; null: unbounded)
     async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig)
+    # true: always run the separate old-log-prob pass; false: skip it when the step is exactly on-policy (one
+    # optimizer step per rollout batch, algorithms/on_policy.py) and take the training forward's log-probs
+    recompute_old_logprobs: bool = False
 
 
 # ----------------------------------------------------------------------------------------------- env / data
