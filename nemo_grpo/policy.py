@@ -101,6 +101,7 @@ class Policy:
                  seed: int = 0, name: str = "policy", placement_group=None, config_key: Optional[str] = None):
         self.cfg, self.name = cfg, name
         self.scalar_head, self.init_reference = scalar_head, init_reference
+        self.logprob_passes = 0  # get_logprobs calls (the current weights' passes; not the reference's)
         self.world_size = cluster.gpus_per_node * cluster.num_nodes
         cls = backend_spec(cfg.backend).worker_class()
         policy_layout(cfg, self.world_size)  # a bad layout fails here, before any actor starts
@@ -219,7 +220,13 @@ class Policy:
         metrics of backends/router.py). keep (shipped rows only): the workers also write the log-probs (and the
         routes) into their shard under that name, for `train`'s loss."""
         self._need_lm("get_logprobs")
+        self.logprob_passes += 1
         return self._forward("get_logprobs", batch, return_routes=return_routes, keep=keep)
+
+    def kept(self, rows: ShippedRows, name: str) -> torch.Tensor:
+        """What a call left in the workers' shards of `rows` under `name` (e.g. an on-policy train's
+        "prev_logprobs"), [B, ...] in batch order."""
+        return rows.gather(self._gather(self.group.run_all_async("kept", rows.key, name)))
 
     def get_reference_logprobs(self, batch: "dict[str, Any] | ShippedRows", keep: Optional[str] = None
                                ) -> torch.Tensor:
@@ -236,7 +243,7 @@ class Policy:
 
     # ------------------------------------------------------------------------------------------ training
     def train(self, batch: "StepBatch | dict[str, Any] | ShippedRows", loss_fn,
-              columns: Optional[dict[str, torch.Tensor]] = None) -> dict[str, float]:
+              columns: Optional[dict[str, torch.Tensor]] = None, on_policy: bool = False) -> dict[str, float]:
         """One optimizer step per global batch of policy.train_global_batch_size rows (B must be a multiple).
 
         batch: a StepBatch (or a dict of its fields), or the ShippedRows of one (`ship`), whose shards may hold
@@ -247,16 +254,23 @@ class Policy:
         optimizer steps, plus "grad_norm" (pre-clip), "lr" and "skipped_steps" (steps skipped for a non-finite
         gradient norm); a Mixture-of-Experts model adds "moe/aux_loss" (and "moe/z_loss" with its coefficient)
         and "moe/load_imbalance" (backends/router.py).
+
+        on_policy (B = policy.train_global_batch_size: one optimizer step, algorithms/on_policy.py): the loss's
+        prev_logprobs are the training forward's own log-probs, detached (no get_logprobs pass before); the
+        workers keep them in their shard, `kept(rows, "prev_logprobs")` reads them.
         """
         if not isinstance(batch, ShippedRows):
             with self.shipped(StepBatch.of(batch)) as rows:
-                return self.train(rows, loss_fn, columns)
+                return self.train(rows, loss_fn, columns, on_policy)
         if batch.step is None:
             raise TypeError(f"{self.name}: train needs the ShippedRows of a StepBatch (Policy.ship(StepBatch(...)))")
         n, gbs, dp = len(batch.step), self.cfg.train_global_batch_size, self.dp_size
         if n == 0 or n % gbs:
             raise ValueError(f"train: batch size {n} is not a positive multiple of "
                              f"policy.train_global_batch_size={gbs}")
+        if on_policy and n != gbs:
+            raise ValueError(f"train(on_policy=True): batch size {n} makes {n // gbs} optimizer steps of "
+                             f"policy.train_global_batch_size={gbs}; an on-policy step is one")
         if gbs % dp:
             raise ValueError(f"train: policy.train_global_batch_size={gbs} is not divisible by the "
                              f"data-parallel size {dp}")
@@ -264,7 +278,7 @@ class Policy:
         column_shards = [{k: v[order] for k, v in columns.items()} for order in batch.order]
         steps = self._train_steps(batch.step, batch.lengths)
         refs = self.group.run_each("train", [(batch.key, column_shards[d], steps[d]) for d in self._dp_rank_of],
-                                   loss_fn=ray.put(loss_fn))
+                                   loss_fn=ray.put(loss_fn), on_policy=on_policy)
         by_rank = ray.get(refs)
         return self._aggregate([by_rank[self._output_rank_of[d]] for d in range(dp)], by_rank[0])
 

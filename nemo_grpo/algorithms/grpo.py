@@ -29,6 +29,7 @@ from nemo_grpo.algorithms.async_rollouts import GenerationFailed, RolloutCollect
 from nemo_grpo.algorithms.kl import generation_mismatch_metrics, sequence_kl
 from nemo_grpo.algorithms.losses import make_loss
 from nemo_grpo.algorithms.metrics import sample_metrics
+from nemo_grpo.algorithms.on_policy import exactly_on_policy
 from nemo_grpo.algorithms.rollout import Sample, collate, prompt_text, response_text, run_rollouts
 from nemo_grpo.backends.registry import backend_spec
 from nemo_grpo.batch import StepBatch
@@ -107,6 +108,8 @@ class GRPOTrainer:
         self.logger, self.checkpointer = logger, checkpointer
         self.loss_fn = make_loss(cfg.loss_fn.name, cfg.loss_fn, cfg.policy.max_total_sequence_length)
         self.refitter = make_refitter(self.policy, self.engine, cfg.policy.generation)
+        # the training forward's log-probs are the old ones: no separate pass (algorithms/on_policy.py)
+        self.on_policy = exactly_on_policy(cfg, backend_spec(cfg.policy.backend).router_replay(cfg.policy))
         self.state = GRPOState()
         self.timer = Timer()
         self.collector: Optional[RolloutCollector] = None  # async GRPO's, while run() runs
@@ -235,14 +238,19 @@ class GRPOTrainer:
         with self.timer.time("total"):
             rollouts, async_metrics = self._next_rollouts(step)
             batch, collated = self._train_batch(rollouts.samples)
+            passes = self.policy.logprob_passes
             with self.policy.shipped(batch) as rows:  # the step's rows on the workers, once for its calls
                 with self.timer.time("logprobs"):
                     logprobs = self._old_and_reference_logprobs(rows)
                 advantages, adv_metrics = self._advantages(batch, logprobs, rollouts.rewards, rollouts.components)
+                with self.timer.time("training"):
+                    train_metrics = self.policy.train(rows, self.loss_fn, columns={"advantages": advantages},
+                                                      on_policy=self.on_policy)
+                if self.on_policy:  # the training forward's, kept by the workers
+                    logprobs["prev_logprobs"] = self.policy.kept(rows, "prev_logprobs")
                 mismatch = generation_mismatch_metrics(logprobs["prev_logprobs"], batch.generation_logprobs,
                                                        batch.loss_mask)
-                with self.timer.time("training"):
-                    train_metrics = self.policy.train(rows, self.loss_fn, columns={"advantages": advantages})
+            mismatch["logprob_passes"] = float(self.policy.logprob_passes - passes)
             with self.timer.time("refit"):
                 refit = self._refit_engine(step)
             if self.collector is not None and cfg.grpo.async_grpo.in_flight_weight_updates:
@@ -257,19 +265,21 @@ class GRPOTrainer:
         return metrics
 
     def _old_and_reference_logprobs(self, rows) -> dict[str, torch.Tensor]:
-        """The shipped step's "prev_logprobs" [N, T] of the current weights and, with the KL penalty on,
-        "reference_policy_logprobs" [N, T]; the workers keep both in their shards for the loss. The training
-        forward replays (the back end's routing replay mode) or, without replay, measures its routing against
-        (backends/router.py's agreement metrics) the routes [N, T, L, k] this pass records (old_policy), else the
-        engine's (the StepBatch's routed_experts, from an engine that records them)."""
+        """The shipped step's "prev_logprobs" [N, T] of the current weights (not when the step is exactly
+        on-policy: train's forward gives them) and, with the KL penalty on, "reference_policy_logprobs" [N, T];
+        the workers keep both in their shards for the loss. The training forward replays (the back end's routing
+        replay mode) or, without replay, measures its routing against (backends/router.py's agreement metrics)
+        the routes [N, T, L, k] this pass records (old_policy), else the engine's (the StepBatch's
+        routed_experts, from an engine that records them)."""
         spec = backend_spec(self.cfg.policy.backend)
         replay = spec.router_replay(self.cfg.policy)
         if replay == "engine" and rows.step.routed_experts is None:
             raise RuntimeError(f"{spec.router_replay_key()}=engine: the generation engine returned no "
                                f"routes ({type(self.engine).__name__}); use the torch engine")
-        if replay == "old_policy":
+        out = {}
+        if replay == "old_policy":  # never on-policy (algorithms/on_policy.py)
             out = {"prev_logprobs": self.policy.get_logprobs(rows, return_routes=True, keep="prev_logprobs")[0]}
-        else:
+        elif not self.on_policy:
             out = {"prev_logprobs": self.policy.get_logprobs(rows, keep="prev_logprobs")}
         if self.cfg.loss_fn.reference_policy_kl_penalty > 0:
             out["reference_policy_logprobs"] = self.policy.get_reference_logprobs(

@@ -61,6 +61,17 @@ def accumulate(totals: dict[str, float], metrics: dict[str, Any]) -> None:
         totals[k] = totals.get(k, 0.0) + _as_float(v)
 
 
+_ROW = "shard_row"  # an on-policy step's column: each row's index in the held shard
+
+
+def _own_prev_logprobs(loss_fn, shard: dict[str, Any], logprobs: torch.Tensor, mb: dict[str, Any], gvs, gvt):
+    """loss_fn with the micro-batch's "prev_logprobs" the training forward's own (logprobs [b, T], detached),
+    written into the shard's "prev_logprobs" at the micro-batch's rows (an exactly on-policy step)."""
+    prev = logprobs.detach()
+    shard["prev_logprobs"][mb[_ROW].cpu()] = prev.float().cpu()
+    return loss_fn(logprobs, {**mb, "prev_logprobs": prev}, gvs, gvt)
+
+
 class PolicyActor:
     """One rank of a policy (a Ray actor started by WorkerGroup; the process group exists before the engine).
 
@@ -268,10 +279,12 @@ class PolicyActor:
 
     # ------------------------------------------------------------------------------------------ training
     def train(self, key: str, columns: dict[str, Any], steps: list[dict[str, Any]],
-              loss_fn) -> list[dict[str, float]]:
+              loss_fn, on_policy: bool = False) -> list[dict[str, float]]:
         """The rows held under `key` (with what forwards kept there) and the call's per-row `columns` (same rows,
         same order) -> one optimizer step per entry {"rows": (start, stop) of them, "global_valid_seqs",
         "global_valid_toks", "global_input_toks", "micro_batches": row groups of those (Policy plans them)}.
+        on_policy (one step): the loss's "prev_logprobs" are the training forward's log-probs, detached, and the
+        ranks that run the loss keep them in the shard under "prev_logprobs" (`kept`).
 
         Returns per step: the loss-fn metrics (and "loss") summed over this rank's micro-batches, plus
         "grad_norm" (global, pre-clip) and "lr" (the rate the step used); a Mixture-of-Experts model adds
@@ -279,9 +292,19 @@ class PolicyActor:
         """
         self.engine.model.train()
         data = {**self.held[key], **columns}
+        if on_policy:
+            if len(steps) != 1:
+                raise ValueError(f"train(on_policy=True) makes one optimizer step, got {len(steps)}")
+            self.held[key]["prev_logprobs"] = torch.zeros(data["input_ids"].shape, dtype=torch.float32)
+            data[_ROW] = torch.arange(data["input_ids"].shape[0])
+        loss_fn = partial(_own_prev_logprobs, loss_fn, self.held[key]) if on_policy else loss_fn
         return [self._train_step(slice_batch(data, *s["rows"]), loss_fn, s["global_valid_seqs"],
                                  s["global_valid_toks"], s["micro_batches"], s["global_input_toks"])
                 for s in steps]
+
+    def kept(self, key: str, name: str) -> Optional[torch.Tensor]:
+        """What a call kept in the shard held under `key` under `name` ([r, ...], output ranks; None elsewhere)."""
+        return self.held[key][name] if self.engine.output_rank else None
 
     def _train_step(self, data: dict[str, Any], loss_fn, global_valid_seqs, global_valid_toks,
                     groups: list[list[int]], global_input_toks) -> dict[str, float]:

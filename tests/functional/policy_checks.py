@@ -13,9 +13,11 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 from weight_io import export_weights
 
+from nemo_grpo.algorithms.losses import make_loss
 from nemo_grpo.backends import varlen
 from nemo_grpo.backends.registry import backend_spec
-from nemo_grpo.config import ClusterConfig, PolicyConfig
+from nemo_grpo.batch import StepBatch
+from nemo_grpo.config import ClusterConfig, LossConfig, PolicyConfig
 from nemo_grpo.policy import Policy
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test loss travels to the actors by value
@@ -212,6 +214,37 @@ def check_train_parity(policy: Policy, path: str, batch: dict) -> dict:
     if "moe/aux_loss" in metrics and not (policy.cfg.sequence_packing.enabled or policy.cfg.dynamic_batching.enabled):
         assert_router_metrics(metrics, load_hf(path, start), batch, policy.cfg)
     return metrics
+
+
+def check_on_policy_step(policy: Policy, reset, batch: dict, tol: float = 1e-5) -> None:
+    """One GRPO step of `batch` (one global batch, the clipped loss with the importance-sampling correction, so
+    the loss reads the old log-probs) twice from the same start (`reset(policy)` restores it): today's, with the
+    separate get_logprobs pass, and the exactly on-policy one (train(..., on_policy=True): the training
+    forward's log-probs are the old ones). Loss, pre-clip gradient norm and every metric agree within rel 1e-5,
+    the updated weights within `tol`, the old log-probs the workers kept with the pass's within 1e-5, and the
+    on-policy step ran no log-prob pass."""
+    g = torch.Generator().manual_seed(3)
+    gen = -(2.0 + 3.0 * torch.rand(batch["input_ids"].shape, generator=g)) * batch["token_mask"]  # [B, T]
+    step = StepBatch(batch["input_ids"], batch["input_lengths"], batch["token_mask"], batch["sample_mask"],
+                     generation_logprobs=gen)
+    loss_fn = make_loss("clipped_pg", LossConfig(use_importance_sampling_correction=True))
+    start = export_state(policy)
+    with policy.shipped(step) as rows:
+        prev = policy.get_logprobs(rows, keep="prev_logprobs")
+        want = policy.train(rows, loss_fn, columns={"advantages": batch["advantages"]})
+    want_state = export_state(policy)
+    reset(policy)
+    passes = policy.logprob_passes
+    with policy.shipped(step) as rows:
+        got = policy.train(rows, loss_fn, columns={"advantages": batch["advantages"]}, on_policy=True)
+        kept = policy.kept(rows, "prev_logprobs")
+    assert policy.logprob_passes == passes  # no separate pass
+    assert max_diff(want_state, start) > 1e-3  # the step moved the weights
+    assert max_diff(export_state(policy), want_state) <= tol
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    assert ((kept - prev) * step.loss_mask).abs().max().item() <= 1e-5
 
 
 def assert_router_metrics(metrics: dict, model, batch: dict, cfg: PolicyConfig) -> None:

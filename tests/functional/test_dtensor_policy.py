@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 from policy_checks import (CLUSTER, TokenPGLoss, assert_logprobs_match_hf, assert_scores_match_hf, check_bf16_step,
-                           check_routes_match_hf, check_train_parity, export_state, hf_logprobs, load_hf, make_batch,
-                           max_diff, policy_config)
+                           check_on_policy_step, check_routes_match_hf, check_train_parity, export_state,
+                           hf_logprobs, load_hf, make_batch, max_diff, policy_config)
 
 from nemo_grpo.policy import Policy
 from weight_io import export_weights
@@ -82,6 +82,11 @@ class TestFSDP:
     def test_train_matches_single_process(self, fsdp_qwen3):
         policy, path = fsdp_qwen3
         check_train_parity(policy, path, make_batch(8, seed=1))  # 2 optimizer steps, warm-up, clipping
+
+    def test_on_policy_step_equals_the_separate_logprob_pass(self, fsdp_qwen3, tmp_path):
+        policy, _ = fsdp_qwen3
+        policy.save_checkpoint(str(tmp_path / "start"))
+        check_on_policy_step(policy, lambda p: p.load_checkpoint(str(tmp_path / "start")), make_batch(4, seed=6))
 
     def test_train_needs_whole_global_batches(self, fsdp_qwen3):
         with pytest.raises(ValueError, match="train_global_batch_size"):

@@ -15,8 +15,8 @@ import pytest
 import ray
 import torch
 from policy_checks import (PACKING, TokenPGLoss, assert_logprobs_match_hf, check_checkpoint_resumes,
-                           check_routes_match_hf, check_train_parity, export_state, load_hf, make_batch, max_diff,
-                           policy_config)
+                           check_on_policy_step, check_routes_match_hf, check_train_parity, export_state, load_hf,
+                           make_batch, max_diff, policy_config)
 from test_dynamic_batching import BUDGET
 from test_sequence_packing import SEED
 from test_mcore_policy import FOUR, megatron_policy
@@ -50,6 +50,14 @@ def test_moe_matches_hf(policy_pool, tiny_model_dir, layout, extra):
         assert max_diff(export_state(policy), load_hf(path).state_dict()) == 0.0
         assert_logprobs_match_hf(policy, path, make_batch(5, seed=7))
         check_train_parity(policy, path, make_batch(4, seed=1))
+
+
+def test_on_policy_step_equals_the_separate_logprob_pass(policy_pool, tiny_model_dir):
+    """dp 2 x ep 2 with the router losses (test_moe_matches_hf's policy): the on-policy step's routing is its own
+    training forward's, as with the separate pass (no routing replay)."""
+    path = tiny_model_dir("qwen3_moe")
+    with megatron_policy(policy_pool, path, "dp2", **EP2) as policy:
+        check_on_policy_step(policy, policy_pool.reset, make_batch(4, seed=6))
 
 
 def local_experts(actor) -> int:

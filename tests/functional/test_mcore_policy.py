@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 from policy_checks import (CLUSTER, TokenPGLoss, assert_logprobs_match_hf, assert_scores_match_hf, check_bf16_step,
-                           check_checkpoint_resumes, check_train_parity, export_state, hf_logprobs, load_hf,
-                           make_batch, max_diff, policy_config, reference_train)
+                           check_checkpoint_resumes, check_on_policy_step, check_train_parity, export_state,
+                           hf_logprobs, load_hf, make_batch, max_diff, policy_config, reference_train)
 
 from nemo_grpo.config import ClusterConfig
 from nemo_grpo.policy import Policy
@@ -133,6 +133,15 @@ def test_train_matches_single_process(policy_pool, tiny_model_dir, arch, layout,
         assert_trained_logprobs_match(policy, path, make_batch(4, seed=5))
         merged = export_state(policy)
         assert set(merged) == set(load_hf(path).state_dict())
+
+
+@pytest.mark.parametrize("arch,layout", [("llama", "tp2"), ("qwen2", "pp2")])
+def test_on_policy_step_equals_the_separate_logprob_pass(policy_pool, tiny_model_dir, arch, layout):
+    """TP=2; PP=2 (the log-probs off the last stage, 4 micro-batches through 1F1B): policies the tests above
+    started."""
+    path = tiny_model_dir(arch, **MODELS[arch])
+    with megatron_policy(policy_pool, path, layout) as policy:
+        check_on_policy_step(policy, policy_pool.reset, make_batch(4, seed=6))
 
 
 # ---------------------------------------------------------------------------------------------- distributed optimizer
