@@ -48,6 +48,25 @@ def test_resume_continues_exactly(ray_cluster, run_actors_pool, tmp_path):
     assert (float(done["first"]), float(done["last"])) == (round(b[2]["reward"], 2), round(b[3]["reward"], 2))
 
 
+@pytest.mark.slow
+def test_on_policy_step_skips_the_old_logprob_pass(ray_cluster, run_actors_pool, tmp_path):
+    """8 prompts x 8 samples in one global batch of 64 (the resume test's actors, lent again): the trainer runs
+    no separate old-log-prob pass (train/logprob_passes 0; the reference's pass stays for the KL penalty), and its
+    steps are those of a run that recomputes the old log-probs (grpo.recompute_old_logprobs=true), the metrics
+    read off the kept training-forward log-probs (token_mult_prob_error, ...) included."""
+    common = ["grpo.val_at_start=false", "grpo.val_period=0", "grpo.val_at_end=false", "logger.plot=false",
+              "checkpointing.enabled=false", "grpo.num_prompts_per_step=8", "policy.train_global_batch_size=64",
+              "policy.generation.backend=torch", "loss_fn.reference_policy_kl_penalty=0.05",
+              "loss_fn.use_importance_sampling_correction=true", "grpo.max_num_steps=2"]
+    train_in_process(tmp_path / "recompute", *common, "grpo.recompute_old_logprobs=true", pool=run_actors_pool)
+    train_in_process(tmp_path / "one_pass", *common, pool=run_actors_pool)
+    a, b = read_metrics(f"{tmp_path}/recompute/logs", "train"), read_metrics(f"{tmp_path}/one_pass/logs", "train")
+    assert [r["logprob_passes"] for r in a] == [1, 1] and [r["logprob_passes"] for r in b] == [0, 0]
+    for key in ("reward", "loss", "grad_norm", "kl_penalty", "is_weight", "token_mult_prob_error", "gen_kl_error"):
+        for ra, rb in zip(a, b):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-6), (key, ra["step"])
+
+
 # GRPO against the reward model over RM_STEPS steps. Measured with seeds 42 (the recipe's), 1, 2 (grpo.seed), the
 # sampled reward (the reward model's score) in means of 10 steps: 0.74, 1.06, 1.16, 1.46 / 0.56, 0.35, 0.64, 0.81 /
 # 0.63, 0.91, 1.12, 1.20, so steps 31-40 minus steps 1-10: +0.73, +0.24, +0.57 (the old criterion, +0.3, set for
