@@ -12,8 +12,8 @@ its load-balanced pair of chunks (r, 2·cp-1-r).
 
 import pytest
 from lora_checks import check_lora_step, lora_policy_config
-from policy_checks import (CLUSTER, assert_logprobs_match_hf, assert_scores_match_hf, check_train_parity, make_batch,
-                           policy_config)
+from policy_checks import (CLUSTER, assert_logprobs_match_hf, assert_scores_match_hf, check_on_policy_step,
+                           check_train_parity, make_batch, policy_config)
 
 from nemo_grpo.backends import context_parallel
 from nemo_grpo.config import ClusterConfig
@@ -75,6 +75,19 @@ def test_megatron_context_parallel_lora_matches_peft(ray_cluster, policy_pool, t
     cfg = lora_policy_config(path, backend="megatron", **CP2)
     with policy_pool.policy(cfg, CLUSTER, path, init_reference=True) as policy:
         check_lora_step(policy, path, make_batch(8, seed=2, t=801))  # two steps: B moves, then A
+
+
+@pytest.mark.parametrize("backend", ["dtensor", "megatron"])
+def test_on_policy_step_equals_the_separate_logprob_pass(ray_cluster, policy_pool, tiny_model_dir, backend):
+    """The exactly on-policy step (policy_checks.check_on_policy_step) where the training forward's log-probs are
+    gathered over the CP group: DTensor CP=2 on packed rows, Megatron CP=2 with LoRA (the policies above)."""
+    path = qwen3(tiny_model_dir)
+    if backend == "dtensor":
+        cfg, kwargs = policy_config(path, **DTENSOR["cp2_packed"]), {}
+    else:
+        cfg, kwargs = lora_policy_config(path, backend="megatron", **CP2), {"init_reference": True}
+    with policy_pool.policy(cfg, CLUSTER, path, **kwargs) as policy:
+        check_on_policy_step(policy, policy_pool.reset, make_batch(4, seed=6, t=301))
 
 
 def test_megatron_context_parallel_scores_match_hf(ray_cluster, policy_pool, tiny_model_dir):
