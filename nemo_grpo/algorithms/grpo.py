@@ -29,7 +29,7 @@ from nemo_grpo.algorithms.async_rollouts import GenerationFailed, RolloutCollect
 from nemo_grpo.algorithms.kl import generation_mismatch_metrics, sequence_kl
 from nemo_grpo.algorithms.losses import make_loss
 from nemo_grpo.algorithms.metrics import sample_metrics
-from nemo_grpo.algorithms.on_policy import exactly_on_policy
+from nemo_grpo.algorithms.on_policy import off_policy_reason
 from nemo_grpo.algorithms.rollout import Sample, collate, prompt_text, response_text, run_rollouts
 from nemo_grpo.backends.registry import backend_spec
 from nemo_grpo.batch import StepBatch
@@ -109,7 +109,10 @@ class GRPOTrainer:
         self.loss_fn = make_loss(cfg.loss_fn.name, cfg.loss_fn, cfg.policy.max_total_sequence_length)
         self.refitter = make_refitter(self.policy, self.engine, cfg.policy.generation)
         # the training forward's log-probs are the old ones: no separate pass (algorithms/on_policy.py)
-        self.on_policy = exactly_on_policy(cfg, backend_spec(cfg.policy.backend).router_replay(cfg.policy))
+        reason = off_policy_reason(cfg, backend_spec(cfg.policy.backend).router_replay(cfg.policy))
+        self.on_policy = reason is None
+        log.info("old log-probs: %s", "the training forward's (exactly on-policy steps)" if self.on_policy
+                 else f"a separate pass ({reason})")
         self.state = GRPOState()
         self.timer = Timer()
         self.collector: Optional[RolloutCollector] = None  # async GRPO's, while run() runs
