@@ -292,9 +292,7 @@ class PolicyActor:
         """
         self.engine.model.train()
         data = {**self.held[key], **columns}
-        if on_policy:
-            if len(steps) != 1:
-                raise ValueError(f"train(on_policy=True) makes one optimizer step, got {len(steps)}")
+        if on_policy:  # one step (Policy.train checks)
             self.held[key]["prev_logprobs"] = torch.zeros(data["input_ids"].shape, dtype=torch.float32)
             data[_ROW] = torch.arange(data["input_ids"].shape[0])
         loss_fn = partial(_own_prev_logprobs, loss_fn, self.held[key]) if on_policy else loss_fn

@@ -91,6 +91,8 @@ class TestFSDP:
     def test_train_needs_whole_global_batches(self, fsdp_qwen3):
         with pytest.raises(ValueError, match="train_global_batch_size"):
             fsdp_qwen3[0].train(make_batch(6, seed=1), TokenPGLoss())
+        with pytest.raises(ValueError, match="an on-policy step is one"):  # the second step's weights are new
+            fsdp_qwen3[0].train(make_batch(8, seed=1), TokenPGLoss(), on_policy=True)
 
     def test_reference_logprobs_are_initial_weights(self, fsdp_qwen3):
         policy, path = fsdp_qwen3
