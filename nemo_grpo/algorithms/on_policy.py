@@ -41,8 +41,3 @@ def off_policy_reason(cfg, router_replay: str = "none") -> Optional[str]:
     if p.lora.enabled and p.lora.dropout > 0:
         return f"policy.lora.dropout={p.lora.dropout}: the training forward differs from the old log-prob pass"
     return None
-
-
-def exactly_on_policy(cfg, router_replay: str = "none") -> bool:
-    """The step's training forward gives its old log-probs (off_policy_reason is None)."""
-    return off_policy_reason(cfg, router_replay) is None

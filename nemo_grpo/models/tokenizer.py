@@ -36,5 +36,5 @@ def load_tokenizer(path: str):
     if not changed:
         return tokenizer
     log.info("%s: %s rebuilt the %s of tokenizer.json; using the file's own tokenizer (TokenizersBackend)",
-                path, type(tokenizer).__name__, ", ".join(changed))
+             path, type(tokenizer).__name__, ", ".join(changed))
     return TokenizersBackend.from_pretrained(path)
