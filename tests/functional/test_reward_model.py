@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 from policy_checks import CLUSTER, policy_config
-from transformers import AutoTokenizer
 
 from nemo_grpo.algorithms.reward_model import BradleyTerryLoss, pair_accuracy
 from nemo_grpo.data.preferences import pair_batch, render_conversation, right_padded
+from nemo_grpo.models.tokenizer import load_tokenizer
 from nemo_grpo.policy import Policy
 
 MARKER, LETTERS = "$", "abcdefghijklmnopqrstuvwxyz"
@@ -38,7 +38,7 @@ def tokenize(pairs: list[dict], tokenizer) -> list[tuple[list[int], list[int]]]:
 
 def train_and_validate(path: str, backend: str, overrides: dict) -> tuple[list[float], list[float], float]:
     """(loss per step, pre-clip gradient norm per step, validation pair accuracy)."""
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     train = tokenize(marker_pairs(STEPS * PAIRS_PER_STEP, seed=0), tokenizer)
     val = tokenize(marker_pairs(32, seed=1), tokenizer)
     cfg = policy_config(path, backend=backend, train_global_batch_size=2 * PAIRS_PER_STEP,
@@ -124,7 +124,7 @@ def test_environment_scores_like_the_hf_classifier(ray_cluster, tiny_model_dir, 
     ret = ray.get(env.step.remote(logs, [{}] * 3))
     _, metrics = ray.get(env.global_post_process_and_metrics.remote({"rewards": ret.rewards}))
     texts = ["1+2=3", "abca long answer here", "x"]  # the plain template concatenates the messages
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():  # the long one keeps its last 12 tokens
         ref = torch.stack([model(input_ids=torch.tensor([tokenizer(t, add_special_tokens=False)["input_ids"][-12:]])
@@ -167,7 +167,7 @@ def test_evaluation_per_subset_is_identical_on_both_back_ends(ray_cluster, tiny_
             f.write(json.dumps({"prompt": p["chosen"][0]["content"], "chosen": p["chosen"][1]["content"],
                                 "rejected": p["rejected"][1]["content"], "subset": f"subset{i % 3}"}) + "\n")
     pairs = read_preference_pairs(str(data))
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
 
     def hf_score(messages):
