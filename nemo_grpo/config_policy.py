@@ -182,6 +182,10 @@ class LoraConfig:
     # and MLP (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)
     target_modules: list[str] = field(default_factory=list)
     exclude_modules: list[str] = field(default_factory=list)  # leaf names taken out of the targets
+    # what a refit sends the generation engine: "adapters" (the engine starts from the base weights with LoRA on
+    # and each refit installs the adapters, A and B, as its LoRA adapter; the base never moves) or "merged" (the
+    # engine holds plain weights; each refit sends the engine layers under adapters, W + scale * B @ A)
+    refit: str = "adapters"
 
 
 @dataclass

@@ -23,12 +23,15 @@ from safetensors.torch import save_file
 
 from nemo_grpo.config import LoraConfig
 from nemo_grpo.errors import require
+from nemo_grpo.weights.transfer import TensorSpec
 
 # the linear layers of attention and MLP in the supported decoders (Llama, Qwen2, Qwen3): the default targets
 LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
+PEFT_ADAPTER = "default"  # the adapter's name in a model peft injected adapters into
 # the engine's layers (vLLM fuses q/k/v and gate/up): an adapter on one projection changes its whole layer
 ENGINE_LAYERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",))
+REFITS = ("adapters", "merged")  # policy.lora.refit
 
 
 def target_modules(lora_cfg, prefix: str = "policy") -> list[str]:
@@ -53,7 +56,40 @@ def validate_lora(lora_cfg, scalar_head: bool = False, prefix: str = "policy") -
     require(0.0 <= lora_cfg.dropout < 1.0, key + "dropout", f"must be in [0, 1), got {lora_cfg.dropout}")
     require(not scalar_head, key + "enabled", "LoRA is for causal-LM policies; a reward model (scalar head) "
             "trains all its weights")
+    require(lora_cfg.refit in REFITS, key + "refit", f"{lora_cfg.refit!r} is not one of {', '.join(REFITS)}")
     target_modules(lora_cfg, prefix)
+
+
+def refits_adapters(lora_cfg) -> bool:
+    """Whether refits send the adapters (policy.lora on, policy.lora.refit adapters): the generation engine then
+    starts from the base weights with LoRA enabled and runs every request through the installed adapter."""
+    return lora_cfg is not None and lora_cfg.enabled and lora_cfg.refit == "adapters"
+
+
+def adapted_modules(names: list[str], targets: list[str]) -> list[str]:
+    """The HF modules of `names` (HF tensor names) that carry an adapter: each '<module>.<leaf>.weight' whose
+    leaf is a target (peft's suffix match), routed experts aside; in the order of `names`."""
+    return [n.removesuffix(".weight") for n in names
+            if n.endswith(".weight") and ".experts." not in n and n.rsplit(".", 2)[-2] in targets]
+
+
+def adapter_specs(specs: list[TensorSpec], lora_cfg) -> list[TensorSpec]:
+    """The adapters of a model whose HF tensors are `specs`, as an adapter refit plans them: per targeted linear
+    weight [out, in], A [r, in] then B [out, r] under peft's saved keys, in fp32 (as both back ends keep them)."""
+    shapes, r = {s.name: s.shape for s in specs}, lora_cfg.rank
+    out = []
+    for module in adapted_modules(list(shapes), target_modules(lora_cfg)):
+        rows, cols = shapes[f"{module}.weight"]
+        out += [TensorSpec(peft_key(module, "lora_A"), (r, cols), torch.float32),
+                TensorSpec(peft_key(module, "lora_B"), (rows, r), torch.float32)]
+    return out
+
+
+def adapter_names(names: list[str], lora_cfg) -> set[str]:
+    """peft's saved keys of the adapters of a model whose HF tensors are `names` (what an engine that takes
+    adapter refits accepts)."""
+    modules = adapted_modules(names, target_modules(lora_cfg))
+    return {peft_key(m, which) for m in modules for which in ("lora_A", "lora_B")}
 
 
 def check_resumable(saved_policy: dict, lora_cfg, checkpoint: str) -> None:
@@ -109,6 +145,22 @@ def peft_config(lora_cfg, base_model_path: str = None):
     return peft.LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                            target_modules=target_modules(lora_cfg), bias="none", task_type="CAUSAL_LM",
                            base_model_name_or_path=base_model_path)
+
+
+def inject_adapters(model: torch.nn.Module, lora_cfg) -> None:
+    """peft's LoRA layers on policy.lora's targets, in place (`peft.inject_adapter_in_model`: the model keeps its
+    class and HF names; a targeted `...q_proj` becomes a LoRA layer holding `base_layer` and the adapters
+    `lora_A.default` [r, in], `lora_B.default` [out, r], peft's init: B zero); everything else frozen."""
+    from peft import inject_adapter_in_model  # here, not at the top: ~5 s to import, and only LoRA runs need it
+
+    inject_adapter_in_model(peft_config(lora_cfg), model, adapter_name=PEFT_ADAPTER)
+    freeze_base(model)
+
+
+def saved_key(key: str) -> str:
+    """An injected adapter's state-dict key ('<module>.lora_A.default.weight') -> peft's saved key."""
+    module, which = key.split(f".{PEFT_ADAPTER}.")[0].rsplit(".", 1)
+    return peft_key(module, which)
 
 
 def save_adapter_dir(path: str, state: dict[str, torch.Tensor], lora_cfg, base_model_path: str) -> None:

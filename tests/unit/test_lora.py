@@ -49,3 +49,31 @@ def test_a_checkpoint_resumes_only_with_its_lora_layout(saved, now, key):
 def test_a_reward_model_trains_without_lora():
     with pytest.raises(ConfigError, match="policy.lora.enabled'.*reward model"):
         lora.validate_lora(LoraConfig(enabled=True), scalar_head=True)
+
+
+def test_adapter_specs_are_what_peft_puts_on_the_model():
+    """The adapter refit's plan (names, shapes) equals peft's adapters on the HF model: targets only, routed experts
+    aside, A [r, in] and B [out, r] under peft's saved keys; the engine side's names (adapter_names) agree."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from nemo_grpo.models.tiny import tiny_config
+    from nemo_grpo.weights.transfer import TensorSpec
+
+    cfg = LoraConfig(enabled=True, rank=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=64, num_key_value_heads=2))
+    specs = [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in model.state_dict().items()]
+    want = peft.get_peft_model_state_dict(peft.get_peft_model(model, lora.peft_config(cfg)))
+    got = lora.adapter_specs(specs, cfg)
+    assert {s.name: s.shape for s in got} == {k: tuple(v.shape) for k, v in want.items()}
+    assert all(s.dtype == torch.float32 for s in got)
+    assert lora.adapter_names([s.name for s in specs], cfg) == set(want)
+    assert lora.adapted_modules(["model.layers.0.mlp.experts.3.down_proj.weight"], ["down_proj"]) == []
+
+
+def test_lora_refit_is_adapters_or_merged():
+    assert lora.refits_adapters(LoraConfig(enabled=True)) and not lora.refits_adapters(LoraConfig())
+    assert not lora.refits_adapters(LoraConfig(enabled=True, refit="merged")) and not lora.refits_adapters(None)
+    with pytest.raises(ConfigError, match="policy.lora.refit'.*'weights' is not one of adapters, merged"):
+        lora.validate_lora(LoraConfig(enabled=True, refit="weights"))
+

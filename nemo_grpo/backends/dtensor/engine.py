@@ -83,7 +83,7 @@ class DTensorEngine(PolicyEngine):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tied_aliases = _tied_aliases(model)
         if cfg.lora.enabled:
-            peft_lora.add_adapters(model, cfg.lora)
+            lora.inject_adapters(model, cfg.lora)  # (on the meta device: dtensor/loading.py fills them)
         if tp > 1:
             par.apply_tensor_parallel(model, self.mesh["tp"])
         par.apply_fsdp(model, self.mesh["dp"], torch.bfloat16 if cfg.precision == "bfloat16" else None)
@@ -199,7 +199,7 @@ class DTensorEngine(PolicyEngine):
             if peft_lora.is_adapter(key):
                 full = par.full_tensor(t.detach())
                 if self.rank == 0:
-                    out[peft_lora.saved_key(key)] = full.to("cpu", copy=True)
+                    out[lora.saved_key(key)] = full.to("cpu", copy=True)
         return out
 
     def write_weight_bucket(self, bucket: list[TensorSpec], views: Optional[dict[str, torch.Tensor]],

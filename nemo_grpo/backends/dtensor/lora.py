@@ -1,12 +1,12 @@
 """peft's LoRA on the DTensor back end's Hugging Face model (policy.lora; what is shared is models/lora.py).
 
-`add_adapters` injects peft's LoRA layers into the HF model in place (`peft.inject_adapter_in_model`: the model
-keeps its class and HF names; a targeted `...q_proj` becomes a LoRA layer holding `base_layer` and the
-adapters `lora_A.default` [r, in], `lora_B.default` [out, r]) and freezes everything else, before TP and FSDP2
-wrap it (parallelize.py splits B like a column-parallel base weight and A like a row-parallel one).
+models/lora.py `inject_adapters` puts peft's LoRA layers into the HF model in place (a targeted `...q_proj`
+becomes a LoRA layer holding `base_layer` and the adapters `lora_A.default` [r, in], `lora_B.default` [out, r])
+and freezes everything else, before TP and FSDP2 wrap it (parallelize.py splits B like a column-parallel base
+weight and A like a row-parallel one).
 
 State-dict keys -> HF names: `<module>.base_layer.weight` is `<module>.weight`, exported merged (W + scale * B @ A);
-the adapters' keys are peft's saved keys without the adapter name (models/lora.py `peft_key`).
+the adapters' keys are peft's saved keys without the adapter name (models/lora.py `saved_key`).
 """
 
 from __future__ import annotations
@@ -17,17 +17,8 @@ import torch
 
 from nemo_grpo.models import lora
 
-ADAPTER = "default"  # peft's adapter name
+ADAPTER = lora.PEFT_ADAPTER  # peft's adapter name
 BASE_WEIGHT = ".base_layer.weight"
-
-
-def add_adapters(model: torch.nn.Module, lora_cfg) -> None:
-    """peft's LoRA layers on the targets of policy.lora, in place (on the meta device: their values come from
-    `initial_adapter` when the model is materialized, dtensor/loading.py); base frozen."""
-    from peft import inject_adapter_in_model  # here, not at the top: ~5 s to import, and only LoRA runs need it
-
-    inject_adapter_in_model(lora.peft_config(lora_cfg), model, adapter_name=ADAPTER)
-    lora.freeze_base(model)
 
 
 def initial_adapter(key: str, shape: tuple, seed: int) -> torch.Tensor:
@@ -54,9 +45,3 @@ def adapter_keys(key: str) -> Optional[tuple[str, str]]:
         return None
     module = key[:-len(BASE_WEIGHT)]
     return f"{module}.lora_A.{ADAPTER}.weight", f"{module}.lora_B.{ADAPTER}.weight"
-
-
-def saved_key(key: str) -> str:
-    """An adapter's state-dict key -> peft's saved key (base_model.model.<module>.lora_A.weight)."""
-    module, which = key.split(f".{ADAPTER}.")[0].rsplit(".", 1)
-    return lora.peft_key(module, which)
