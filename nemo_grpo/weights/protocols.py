@@ -35,6 +35,9 @@ class WeightSource(Protocol):
       (name -> full-shape view [*spec.shape] in the plan's dtype, in host shared memory; None on ranks that
       could not map it). in_place: every rank mapped the region, so each may write its own shards; else rank
       0 writes gathered tensors (weights.sender.write_gathered does that).
+    - LoRA, for a refit of the adapters alone (policy.lora.refit=adapters): `adapter_specs()` (peft's key, full
+      shape, dtype of every adapter, in order; no collective) and `adapter_state()` (collective; peft key ->
+      full CPU tensor on rank 0).
     """
 
     rank: int
@@ -50,6 +53,10 @@ class WeightSource(Protocol):
     def write_weight_bucket(self, bucket: list[TensorSpec], views: Optional[dict[str, torch.Tensor]],
                             in_place: bool) -> None: ...
 
+    def adapter_specs(self) -> list[TensorSpec]: ...
+
+    def adapter_state(self) -> dict[str, torch.Tensor]: ...
+
 
 class WeightSink(Protocol):
     """One worker of a generation engine, as a refit sees it. A refit calls, in order: `prepare_for_refit()`
@@ -59,6 +66,9 @@ class WeightSink(Protocol):
     - `weight_dtype()`: the dtype it holds floating-point weights in; they are cast to it before they travel.
     - `weight_device()`: where its model lives (a cuda device lets the collective mode use NCCL).
     - `weight_names()`: the HF names it accepts (None: not known); a plan naming others fails before any send.
+    - `takes_adapters()`: whether it was started for LoRA adapter refits: it then accepts the adapters' peft
+      keys (`weight_names()`), not weights, and installs what a refit's buckets held as its LoRA adapter in
+      `finish_refit`; its base weights stay those it started from.
     - `load_bucket(bucket)`: name -> full tensor [*spec.shape] in weight_dtype(), loaded in place; the views
       may be reused once it returns. Returns the number of tensors loaded.
     - `finish_refit()`: returns the tensors loaded since begin_refit (0 if none was open).
@@ -69,6 +79,8 @@ class WeightSink(Protocol):
     def weight_device(self) -> torch.device: ...
 
     def weight_names(self) -> Optional[set[str]]: ...
+
+    def takes_adapters(self) -> bool: ...
 
     def prepare_for_refit(self) -> None: ...
 

@@ -75,6 +75,10 @@ class WeightReceiver:
         """The dtype the sink holds its weights in ("bfloat16", "float32"): they are cast to it before they travel."""
         return str(self.sink.weight_dtype()).removeprefix("torch.")
 
+    def takes_adapters(self) -> bool:
+        """Whether the sink takes LoRA adapter refits (the plan then holds the adapters, not weights)."""
+        return bool(self.sink.takes_adapters())
+
     def node_ip(self) -> str:
         """The address of the worker's node (a colocated region is shared within one node)."""
         return ray.util.get_node_ip_address()
@@ -88,7 +92,8 @@ class WeightReceiver:
         known = self.sink.weight_names()
         unknown = sorted(n for n in names if n not in known) if known is not None else []
         if unknown:
-            raise KeyError(f"refit: the engine's model has no parameter(s) {unknown[:5]}")
+            what = "LoRA adapters" if self.sink.takes_adapters() else "weights"
+            raise KeyError(f"refit: the engine's model has no parameter(s) {unknown[:5]} (it takes {what})")
 
     def close(self) -> None:
         """Drop the region's mapping and the transfer group (their memory goes with them)."""

@@ -21,6 +21,10 @@ non-colocated (`enabled=false`): the engine is a separate group of actors. Polic
   next one is written, each engine worker receives into buffers of the planned layout and loads the bucket
   through its bucket-loading path (`begin_refit` / `load_bucket` / `finish_refit`).
 In both modes the driver only orchestrates: no tensor passes through it.
+LoRA adapter refits (an engine started with LoRA: policy.lora.refit=adapters): the plan is the adapters (peft's
+  keys, A [r, in] and B [out, r] per targeted linear, in the engine's dtype) instead of the HF state_dict, moved
+  by the same machinery in either mode; the engine installs them as its LoRA adapter at finish_refit, and its
+  base weights, loaded from the model directory at its start, never move.
 
     refitter = make_refitter(policy, engine, cfg.policy.generation)
     stats = refitter.refit()  # {"seconds", "bytes", "buckets"} (+ "nodes": regions written, colocated;
@@ -106,10 +110,17 @@ class Receivers:
 
     def dtype(self) -> str:
         """The dtype every worker holds its weights in (they must agree)."""
-        dtypes = set(self.run(WeightReceiver.weight_dtype))
-        if len(dtypes) != 1:
-            raise RuntimeError(f"refit: the engine's workers hold weights in different dtypes {sorted(dtypes)}")
-        return dtypes.pop()
+        return self._agreed(WeightReceiver.weight_dtype, "hold weights in different dtypes")
+
+    def takes_adapters(self) -> bool:
+        """Whether the workers take LoRA adapter refits (they must agree): the plan is then the adapters."""
+        return self._agreed(WeightReceiver.takes_adapters, "disagree on LoRA adapter refits")
+
+    def _agreed(self, method: Callable, disagreement: str):
+        values = set(self.run(method))
+        if len(values) != 1:
+            raise RuntimeError(f"refit: the engine's workers {disagreement}: {sorted(values)}")
+        return values.pop()
 
 
 class Refitter(ABC):
@@ -124,6 +135,7 @@ class Refitter(ABC):
         self.plan: list = []  # buckets of TensorSpecs, frozen ones first
         self.trained_from = 0  # the first bucket a train step can change
         self.first = 0  # the first bucket a refit sends: 0, then (LoRA) trained_from
+        self.adapters = False  # the plan is the LoRA adapters (the engine takes adapter refits)
 
     def refit(self) -> dict[str, float]:
         """{"seconds", "bytes", "buckets"} (+ "send_seconds": policy rank 0's part, collective mode)."""
@@ -146,6 +158,9 @@ class Refitter(ABC):
 
     def _adopt(self, info: dict) -> None:
         self.plan, self.trained_from = info["plan"], info["trained_from"]
+        if self.adapters:
+            log.info("refit: LoRA adapters only, %d tensors, %.2f MB a refit (the engine keeps its base weights)",
+                     sum(map(len, self.plan)), sum(s.nbytes for bucket in self.plan for s in bucket) / 1e6)
 
     @abstractmethod
     def _setup(self) -> None:
@@ -166,7 +181,9 @@ class SharedMemoryRefitter(Refitter):
     def _setup(self) -> None:
         """Plan in the engine's dtype; a region on every node that runs engine replicas (rank 0's node: rank 0
         creates it; another: the node's first policy rank); map them on the engine's workers, then the policy."""
-        info = self.senders.run(WeightSender.open_region, self.name, self.bucket_size_mb, self.receivers.dtype())[0]
+        self.adapters = self.receivers.takes_adapters()
+        info = self.senders.run(WeightSender.open_region, self.name, self.bucket_size_mb, self.receivers.dtype(),
+                                self.adapters)[0]
         rank_hosts = self.senders.run(WeightSender.node_ip)
         worker_hosts = self.receivers.run(WeightReceiver.node_ip)
         regions, leaders = {info["host"]: info["path"]}, []
@@ -220,8 +237,9 @@ class CollectiveRefitter(Refitter):
 
     def _setup(self) -> None:
         """Plan on the policy, check the names on the engine, then everyone joins the group (once)."""
+        self.adapters = self.receivers.takes_adapters()
         info = self.senders.run(WeightSender.open_transfer, self.name, self.bucket_size_mb, self.receivers.dtype(),
-                                self.timeout_s)[0]
+                                self.timeout_s, self.adapters)[0]
         devices = self.receivers.run(WeightReceiver.transfer_device)
         backend = "nccl" if info["device"] == "cuda" and all(d == "cuda" for d in devices) else "gloo"
         names = [s.name for bucket in info["plan"] for s in bucket]

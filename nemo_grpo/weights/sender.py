@@ -85,19 +85,26 @@ class WeightSender:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
     # ------------------------------------------------------------------------------------------ weight regions
-    def open_region(self, name: str, bucket_size_mb: float, dtype: Optional[str]) -> Optional[dict[str, Any]]:
+    def open_region(self, name: str, bucket_size_mb: float, dtype: Optional[str],
+                    adapters: bool = False) -> Optional[dict[str, Any]]:
         """Collective-free, on every rank: plan transfer `name`: the HF state_dict (tied aliases included, as
         in the export: vLLM's layerwise reload expects a tied lm_head.weight too) in buckets of ~bucket_size_mb,
         floating-point tensors in `dtype` (the engine's; None: as the policy holds them). Rank 0 creates the
         shared region that holds the whole plan and returns {"host", "path", "plan", "trained_from"} (plan: lists
         of TensorSpec; buckets from index trained_from on hold what a train step can change, those before it
-        what it cannot: refits after the first send only the former); None on other ranks."""
-        specs, sizes, limit = {s.name: s for s in self.specs()}, self._sizes(), bucket_size_mb * 2**20
-        trained = self.source.trained_weight_names([n for n, _ in sizes])
+        what it cannot: refits after the first send only the former); None on other ranks.
+        adapters: plan the LoRA adapters (the source's adapter_specs, peft's keys) instead; a train step changes
+        all of them, so every refit sends the whole plan (trained_from 0)."""
+        specs = self.source.adapter_specs() if adapters else self.specs()
+        by_name, limit = {s.name: s for s in specs}, bucket_size_mb * 2**20
+        sizes = [(s.name, s.nbytes) for s in specs]
+        trained = set(by_name) if adapters else self.source.trained_weight_names([n for n, _ in sizes])
         frozen = plan_buckets([(n, b) for n, b in sizes if n not in trained], limit)
         names = frozen + plan_buckets([(n, b) for n, b in sizes if n in trained], limit)
-        plan = wt.cast_plan([[specs[n] for n in bucket] for bucket in names], getattr(torch, dtype) if dtype else None)
-        transfer: dict[str, Any] = {"plan": plan, "region": None, "views": None, "group": None, "leaders": None}
+        plan = wt.cast_plan([[by_name[n] for n in bucket] for bucket in names],
+                            getattr(torch, dtype) if dtype else None)
+        transfer: dict[str, Any] = {"plan": plan, "region": None, "views": None, "group": None, "leaders": None,
+                                    "adapters": adapters, "gathered": None}
         self.transfers[name] = transfer
         if self.source.rank != 0:
             return None
@@ -151,11 +158,24 @@ class WeightSender:
         bucket = transfer["plan"][index]
         views = transfer["views"][index] if transfer["views"] is not None else None
         with torch.no_grad():
-            self.source.write_weight_bucket(bucket, views, transfer["in_place"])
+            if transfer["adapters"]:
+                self._write_adapters(transfer, index, views)
+            else:
+                self.source.write_weight_bucket(bucket, views, transfer["in_place"])
         if transfer["leaders"] is not None:
             start, stop = transfer["spans"][index]
             torch.distributed.broadcast(transfer["region"].tensor[start:stop], src=0, group=transfer["leaders"])
         return sum(s.nbytes for s in bucket) if self.source.rank == 0 else 0
+
+    def _write_adapters(self, transfer: dict[str, Any], index: int, views: Optional[dict[str, torch.Tensor]]) -> None:
+        """Collective: bucket `index` of an adapter plan, rank 0 copying from the adapters gathered once per refit
+        (at its first bucket; a refit of adapters sends every bucket, in order)."""
+        if index == 0 or transfer["gathered"] is None:
+            transfer["gathered"] = self.source.adapter_state()
+        if self.source.rank == 0:
+            wt.fill(views, transfer["gathered"], transfer["plan"][index])
+        if index == len(transfer["plan"]) - 1:
+            transfer["gathered"] = None
 
     def close(self, name: str) -> None:
         """Forget transfer `name`: its region's memory goes with the last mapping, its groups with their members."""
@@ -164,11 +184,11 @@ class WeightSender:
             torch.distributed.destroy_process_group(transfer["leaders"])
 
     # ------------------------------------------------------------------------------------------ transfer group
-    def open_transfer(self, name: str, bucket_size_mb: float, dtype: Optional[str],
-                      timeout_s: float) -> Optional[dict[str, Any]]:
+    def open_transfer(self, name: str, bucket_size_mb: float, dtype: Optional[str], timeout_s: float,
+                      adapters: bool = False) -> Optional[dict[str, Any]]:
         """Collective-free: open_region, and rank 0 also opens the transfer group's store on a free port:
         {"host", "path", "plan", "trained_from", "port", "device"} on rank 0, None elsewhere."""
-        info = self.open_region(name, bucket_size_mb, dtype)
+        info = self.open_region(name, bucket_size_mb, dtype, adapters)
         if info is None:
             return None
         transfer = self.transfers[name]

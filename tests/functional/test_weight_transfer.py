@@ -100,6 +100,9 @@ class ListSink:
     def weight_names(self):
         return self.names
 
+    def takes_adapters(self):
+        return False
+
     def weight_dtype(self):
         return torch.float32
 

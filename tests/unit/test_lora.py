@@ -77,3 +77,15 @@ def test_lora_refit_is_adapters_or_merged():
     with pytest.raises(ConfigError, match="policy.lora.refit'.*'weights' is not one of adapters, merged"):
         lora.validate_lora(LoraConfig(enabled=True, refit="weights"))
 
+
+def test_vllm_lora_settings_follow_policy_lora():
+    """vLLM takes max_lora_rank from a fixed set: the smallest >= policy.lora.rank; its LoRA layers are its fused
+    linears that hold a target."""
+    from nemo_grpo.generation.vllm_engine import lora_kwargs
+
+    kwargs = lora_kwargs(LoraConfig(enabled=True, rank=4, target_modules=["k_proj", "up_proj"]))
+    assert kwargs == {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8,
+                      "lora_target_modules": ["qkv_proj", "gate_up_proj"]}
+    assert lora_kwargs(LoraConfig(enabled=True, rank=16))["max_lora_rank"] == 16 and lora_kwargs(None) == {}
+    with pytest.raises(ValueError, match="policy.lora.refit=merged"):
+        lora_kwargs(LoraConfig(enabled=True, rank=1024))
