@@ -27,6 +27,7 @@ from nemo_grpo.generation import vllm_available
 from nemo_grpo.generation.interface import split_by_work
 from nemo_grpo.generation.vllm_engine import VllmGeneration
 from nemo_grpo.policy import Policy
+from lora_checks import peft_model
 from weight_io import export_weights
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test loss travels to the actors by value
@@ -225,29 +226,98 @@ def test_an_in_flight_refit_lands_mid_generation_and_the_engine_follows(policy, 
         engine.shutdown()
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_lora_refits_after_the_first_send_only_layers_under_adapters(policy, setups, mode):
-    """A LoRA policy (TP=2, adapters on q_proj and v_proj) on the same base model: its first refit sends everything,
-    later ones only the engine layers under adapters (vLLM's fused q/k/v, weights and biases), merged; the
-    engine then samples as the policy scores, and stays unchanged where no adapter is."""
+# ---------------------------------------------------------------------------------------------- LoRA
+@pytest.fixture(scope="module")
+def lora_policy(policy):
+    """A LoRA policy (TP=2, adapters on q_proj, v_proj and down_proj, policy.lora.refit=adapters) on the module's
+    base model: each rank merges its own shards for a merged refit, the adapters are gathered for an adapter one."""
     pol, path = policy
-    engine, _ = setups(mode, "vllm" if vllm_available() else "torch")
     cfg = dataclasses.replace(pol.cfg, lora=LoraConfig(enabled=True, rank=4, alpha=8.0,
-                                                       target_modules=["q_proj", "v_proj"]),
+                                                       target_modules=["q_proj", "v_proj", "down_proj"]),
                               dtensor_cfg=DTensorConfig(tensor_parallel_size=2))
-    with Policy(cfg, CLUSTER, path) as lora_policy:  # TP=2: each rank merges its own shards in place
-        gen_cfg = dataclasses.replace(cfg.generation, colocated=ColocatedConfig(enabled=MODES[mode]))
-        refitter = make_refitter(lora_policy, engine, gen_cfg)
-        first = refitter.refit()
-        for step in range(2):
-            lora_policy.train(target_batch(seed=zlib.crc32(f"lora-{mode}-{step}".encode())), TargetLoss())
-            later = refitter.refit()
-            diff, synced = sampled_vs_policy(engine, lora_policy, seed=step)
-            assert diff <= 1e-4 and abs(synced["token_mult_prob_error"] - 1.0) < 1e-3, (diff, synced)
-        refitter.close()
+    with Policy(cfg, CLUSTER, path) as lora_pol:
+        yield lora_pol
+
+
+@pytest.fixture(scope="module")
+def adapter_engines(policy, lora_policy):
+    """engine name -> an engine started from the base model for LoRA adapter refits (two replicas), made once."""
+    engines = {}
+
+    def get(name: str):
+        if name not in engines:
+            kind = TorchGeneration if name == "torch" else VllmGeneration
+            engines[name] = kind(lora_policy.cfg.generation, policy[1], CLUSTER, replicas=REPLICAS,
+                                 lora_cfg=lora_policy.cfg.lora)
+        return engines[name]
+
+    yield get
+    for engine in engines.values():
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_lora_merged_refits_after_the_first_send_only_layers_under_adapters(policy, setups, lora_policy, mode):
+    """policy.lora.refit=merged (an engine started without LoRA): the first refit sends everything, later ones
+    only the engine layers under adapters (vLLM's fused q/k/v, weights and biases; down_proj), merged; the engine
+    then samples as the policy scores, and stays unchanged where no adapter is."""
+    engine, _ = setups(mode, "vllm" if vllm_available() else "torch")
+    gen_cfg = dataclasses.replace(lora_policy.cfg.generation, colocated=ColocatedConfig(enabled=MODES[mode]))
+    refitter = make_refitter(lora_policy, engine, gen_cfg)
+    first = refitter.refit()
+    assert not refitter.adapters
+    for step in range(2):
+        lora_policy.train(target_batch(seed=zlib.crc32(f"lora-{mode}-{step}".encode())), TargetLoss())
+        later = refitter.refit()
+        diff, synced = sampled_vs_policy(engine, lora_policy, seed=step)
+        assert diff <= 1e-4 and abs(synced["token_mult_prob_error"] - 1.0) < 1e-3, (diff, synced)
+    refitter.close()
     trained = {n for bucket in refitter.plan[refitter.trained_from:] for n in (s.name for s in bucket)} \
         if isinstance(refitter, SharedMemoryRefitter) else None
     assert later["buckets"] < first["buckets"] and later["bytes"] < first["bytes"] / 2, (first, later)
     if trained is not None:
         assert trained == {f"model.layers.{i}.self_attn.{p}_proj.{w}" for i in range(2) for p in "qkv"
-                           for w in ("weight", "bias")}
+                           for w in ("weight", "bias")} | {f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)}
+
+
+def sampled_vs_peft(outs, model, temperature: float) -> float:
+    """Max |engine log-prob - HF teacher forcing of `model` at `temperature`| over the tokens sampled from PROMPTS."""
+    worst = 0.0
+    with torch.no_grad():
+        for prompt, out in zip(PROMPTS, outs):
+            logits = model(input_ids=torch.tensor([prompt + out.token_ids])).logits[0].float()
+            logp = torch.log_softmax(logits[len(prompt) - 1:-1] / temperature, -1)  # [len(out), V]
+            want = logp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
+            worst = max(worst, (want - torch.tensor(out.logprobs)).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_lora_adapter_refits_move_only_adapters_and_the_engine_samples_as_peft(policy, lora_policy, adapter_engines,
+                                                                               mode, engine_name):
+    """policy.lora.refit=adapters: an engine started from the base model with LoRA on gets only the adapters at
+    every refit (its bytes: the adapters' in the engine's dtype), installed as its LoRA adapter; after two refits
+    with a train step between (B no longer zero) it samples with the log-probs that HF + peft (the policy's
+    adapters on the base model) gives those tokens by teacher forcing, and not the base model's."""
+    engine = adapter_engines(engine_name)
+    gen_cfg = dataclasses.replace(lora_policy.cfg.generation, colocated=ColocatedConfig(enabled=MODES[mode]))
+    refitter = make_refitter(lora_policy, engine, gen_cfg)
+    try:
+        stats = [refitter.refit()]
+        lora_policy.train(target_batch(seed=zlib.crc32(f"adapters-{mode}-{engine_name}".encode())), TargetLoss())
+        stats.append(refitter.refit())
+        adapters = lora_policy.adapter_state()
+        outs = engine.generate(PROMPTS, seed=3)
+    finally:
+        refitter.close()
+    assert refitter.adapters and all(v.abs().max() > 1e-4 for k, v in adapters.items() if ".lora_B." in k)
+    adapter_bytes = sum(t.numel() for t in adapters.values()) * 4  # the engines hold fp32 here
+    assert [s["bytes"] for s in stats] == [adapter_bytes] * 2, (stats, adapter_bytes)
+    temperature = lora_policy.cfg.generation.temperature
+    error = sampled_vs_peft(outs, peft_model(policy[1], adapters, lora_policy.cfg.lora).eval(), temperature)
+    base_gap = sampled_vs_peft(outs, AutoModelForCausalLM.from_pretrained(policy[1], dtype=torch.float32).eval(),
+                               temperature)
+    print(f"LoRA adapter refit ({mode}, {engine_name}): {adapter_bytes} bytes a refit, max |engine - peft| "
+          f"{error:.2e}, max |engine - base| {base_gap:.2e}")
+    assert error <= 1e-4 and base_gap > 1e-3, (error, base_gap)
