@@ -79,3 +79,16 @@ def merged_export_error(policy: Policy, base_state: dict, adapters: dict) -> flo
     got = export_state(policy)
     assert set(got) == set(merged)
     return max((got[k] - merged[k]).abs().max().item() for k in got)
+
+
+def sampled_vs_teacher(prompts: list, outs: list, model, temperature: float) -> float:
+    """Max |engine log-prob - HF teacher forcing of `model` at `temperature`| over the tokens an engine sampled
+    (`outs`) from `prompts`."""
+    worst = 0.0
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outs):
+            logits = model(input_ids=torch.tensor([prompt + out.token_ids])).logits[0].float()
+            logp = torch.log_softmax(logits[len(prompt) - 1:-1] / temperature, -1)  # [len(out), V]
+            want = logp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
+            worst = max(worst, (want - torch.tensor(out.logprobs)).abs().max().item())
+    return worst

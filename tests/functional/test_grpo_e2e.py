@@ -162,8 +162,8 @@ MIN_GAIN = 0.02
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_objective_learns(ray_cluster, run_actors_pool, tmp_path, objective):
     """The policy's expected reward rises by MIN_GAIN within LEARNING_STEPS steps, with each objective; with
-    LoRA, the engine samples from the merged policy after every refit (the later refits send only the layers
-    under adapters)."""
+    LoRA, the engine samples from the policy after every refit (each refit installs the adapters on the engine's
+    base model, policy.lora.refit=adapters)."""
     config = "configs/grpo_tiny_lora_cpu.yaml" if objective == "lora" else None
     trainer, (before, after) = train_in_process(tmp_path, *SHORT_RUN, f"grpo.max_num_steps={LEARNING_STEPS}",
                                                 *OBJECTIVES[objective], config=config, measure=policy_expected_reward,

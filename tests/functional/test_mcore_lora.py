@@ -11,15 +11,19 @@ at TP=1 and at each layout. At most two worker processes.
 import peft
 import pytest
 import torch
-from lora_checks import adapter_diff, check_lora_step, lora_policy_config
+from lora_checks import adapter_diff, check_lora_step, lora_policy_config, peft_model, sampled_vs_teacher
 from policy_checks import CLUSTER, TokenPGLoss, check_checkpoint_resumes, hf_logprobs, load_hf, make_batch
 from test_mcore_policy import LAYOUTS, MODELS
 
-from nemo_grpo.config import PolicyConfig
+from nemo_grpo.config import ClusterConfig, PolicyConfig
 from nemo_grpo.errors import ConfigError
+from nemo_grpo.generation.torch_engine import TorchGeneration
 from nemo_grpo.models import lora
 from nemo_grpo.policy import Policy
 from nemo_grpo.validation import validate_policy
+from nemo_grpo.weights.refit import make_refitter
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
 
 
 def lora_policy(path: str, layout: str, init_reference: bool = False, **overrides) -> Policy:
@@ -48,6 +52,29 @@ class TestTensorParallel:
         policy, path = tp_qwen3
         check_checkpoint_resumes(policy, lambda: lora_policy(path, "tp1", train_micro_batch_size=2),
                                  make_batch(4, seed=3), str(tmp_path / "ckpt"), state=Policy.adapter_state)
+
+    def test_adapter_refit_into_the_torch_engine_samples_as_peft(self, tp_qwen3):
+        """policy.lora.refit=adapters from Megatron (adapters gathered over TP to rank 0, written into the shared
+        region): after a refit, a train call and a refit, the engine samples with peft's teacher-forced
+        log-probs and each refit moved the adapters' bytes."""
+        policy, path = tp_qwen3
+        cluster = ClusterConfig(num_threads_per_worker=1)
+        engine = TorchGeneration(policy.cfg.generation, path, cluster, lora_cfg=policy.cfg.lora)
+        try:
+            refitter = make_refitter(policy, engine, policy.cfg.generation)
+            stats = [refitter.refit()]
+            policy.train(make_batch(8, seed=6), TokenPGLoss())
+            stats.append(refitter.refit())
+            refitter.close()
+            outs = engine.generate(PROMPTS, seed=4)
+        finally:
+            engine.shutdown()
+        adapters = policy.adapter_state()
+        assert [s["bytes"] for s in stats] == [sum(t.numel() for t in adapters.values()) * 4] * 2, stats
+        reference = peft_model(path, adapters, policy.cfg.lora).eval()
+        error = sampled_vs_teacher(PROMPTS, outs, reference, policy.cfg.generation.temperature)
+        print(f"Megatron LoRA adapter refit: max |engine - peft| {error:.2e}")
+        assert error <= 1e-4
 
     def test_adapter_directory_loads_in_peft(self, tp_qwen3, tmp_path):
         policy, path = tp_qwen3

@@ -27,7 +27,7 @@ from nemo_grpo.generation import vllm_available
 from nemo_grpo.generation.interface import split_by_work
 from nemo_grpo.generation.vllm_engine import VllmGeneration
 from nemo_grpo.policy import Policy
-from lora_checks import peft_model
+from lora_checks import peft_model, sampled_vs_teacher
 from weight_io import export_weights
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test loss travels to the actors by value
@@ -280,18 +280,6 @@ def test_lora_merged_refits_after_the_first_send_only_layers_under_adapters(poli
                            for w in ("weight", "bias")} | {f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)}
 
 
-def sampled_vs_peft(outs, model, temperature: float) -> float:
-    """Max |engine log-prob - HF teacher forcing of `model` at `temperature`| over the tokens sampled from PROMPTS."""
-    worst = 0.0
-    with torch.no_grad():
-        for prompt, out in zip(PROMPTS, outs):
-            logits = model(input_ids=torch.tensor([prompt + out.token_ids])).logits[0].float()
-            logp = torch.log_softmax(logits[len(prompt) - 1:-1] / temperature, -1)  # [len(out), V]
-            want = logp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
-            worst = max(worst, (want - torch.tensor(out.logprobs)).abs().max().item())
-    return worst
-
-
 @pytest.mark.parametrize("engine_name", ENGINES)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_lora_adapter_refits_move_only_adapters_and_the_engine_samples_as_peft(policy, lora_policy, adapter_engines,
@@ -315,9 +303,10 @@ def test_lora_adapter_refits_move_only_adapters_and_the_engine_samples_as_peft(p
     adapter_bytes = sum(t.numel() for t in adapters.values()) * 4  # the engines hold fp32 here
     assert [s["bytes"] for s in stats] == [adapter_bytes] * 2, (stats, adapter_bytes)
     temperature = lora_policy.cfg.generation.temperature
-    error = sampled_vs_peft(outs, peft_model(policy[1], adapters, lora_policy.cfg.lora).eval(), temperature)
-    base_gap = sampled_vs_peft(outs, AutoModelForCausalLM.from_pretrained(policy[1], dtype=torch.float32).eval(),
-                               temperature)
+    reference = peft_model(policy[1], adapters, lora_policy.cfg.lora).eval()  # HF + peft, the policy's adapters
+    error = sampled_vs_teacher(PROMPTS, outs, reference, temperature)
+    base = AutoModelForCausalLM.from_pretrained(policy[1], dtype=torch.float32).eval()
+    base_gap = sampled_vs_teacher(PROMPTS, outs, base, temperature)
     print(f"LoRA adapter refit ({mode}, {engine_name}): {adapter_bytes} bytes a refit, max |engine - peft| "
           f"{error:.2e}, max |engine - base| {base_gap:.2e}")
     assert error <= 1e-4 and base_gap > 1e-3, (error, base_gap)
