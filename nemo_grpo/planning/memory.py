@@ -17,6 +17,8 @@ what they share (backends/memory_model.py), and the rest:
              shard over dp; each rank keeps the activations, logits and packing mask of 1/cp of a row's tokens,
              plus the full-length K and V its attention all-gathers: of every layer (kept for the backward), of
              one layer with recomputation and in a forward.
+  refit      the bytes a refit sends the engine per step, in its dtype (bf16 for auto): every weight; with LoRA
+             the adapters (policy.lora.refit=adapters) or the engine layers under them, merged (=merged).
   vLLM       gpu_memory_utilization of each device for its weights (bf16, / its tp) and KV cache. The engine runs
              as data-parallel replicas of tp devices each (ResourcePlan.generation_replicas), each a full copy of
              the weights with a KV cache of its own; the rows are one device's, the notes count the replicas.
@@ -29,16 +31,22 @@ allocator fragmentation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+
+import torch
 
 from nemo_grpo.backends.memory_model import Device, Workload
 from nemo_grpo.backends.registry import backend_spec, policy_layout
 from nemo_grpo.distributed.resource_plan import counted, node_list, plan_resources
 from nemo_grpo.errors import ConfigError
+from nemo_grpo.models import lora
 from nemo_grpo.models.counts import total_params
 from nemo_grpo.models.lora import target_modules
+from nemo_grpo.models.spec import ModelSpec, hf_tensors
 from nemo_grpo.planning.params import hf_config
 from nemo_grpo.precision import gpu_precision
+from nemo_grpo.weights.transfer import TensorSpec
 
 GIB = float(1 << 30)
 RUNTIME_RESERVE_GIB = 3.0
@@ -219,7 +227,36 @@ def _policy_role(cfg, plan, spec, gpu: float) -> RolePlan:
     if p.lora.enabled:
         role.notes.append(f"LoRA rank {p.lora.rank} on {', '.join(target_modules(p.lora))}: only the adapters "
                           f"train")
+    role.notes.append(_refit_note(p, spec))
     return role
+
+
+def refit_bytes(spec: ModelSpec, lora_cfg, itemsize: int) -> dict[str, int]:
+    """Bytes a refit sends, tensors of `itemsize` bytes (the engine's dtype), as weights/sender.py plans them:
+    "full", every HF tensor (a tied lm_head too: the engine takes it); with LoRA on, "merged"
+    (policy.lora.refit=merged, each refit after the first: the engine layers under adapters) and "adapters"
+    (policy.lora.refit=adapters, every refit: A and B of each targeted linear)."""
+    tensors = hf_tensors(spec)
+    out = {"full": sum(math.prod(t.shape) for t in tensors) * itemsize}
+    if lora_cfg.enabled:
+        trained = lora.trained_names([t.name for t in tensors], target_modules(lora_cfg))
+        out["merged"] = sum(math.prod(t.shape) for t in tensors if t.name in trained) * itemsize
+        specs = [TensorSpec(t.name, tuple(t.shape), torch.float32) for t in tensors]
+        out["adapters"] = sum(s.numel for s in lora.adapter_specs(specs, lora_cfg)) * itemsize
+    return out
+
+
+def _refit_note(p, spec: ModelSpec) -> str:
+    """What a refit sends the engine per step, in its dtype; with LoRA, adapters against merged."""
+    dtype = gpu_precision(p.generation.vllm_cfg.precision or p.precision)
+    b = refit_bytes(spec, p.lora, getattr(torch, dtype).itemsize)
+    if not p.lora.enabled:
+        return f"refit: {b['full'] / GIB:.1f} GiB a step ({dtype}, every weight)"
+    mark = {kind: ", this recipe" if p.lora.refit == kind else "" for kind in lora.REFITS}
+    return (f"refit a step ({dtype}): LoRA adapters {b['adapters'] / GIB:.2f} GiB (policy.lora.refit=adapters"
+            f"{mark['adapters']}) vs merged {b['merged'] / GIB:.1f} GiB (=merged{mark['merged']}: the layers under "
+            f"adapters, after a first refit of {b['full'] / GIB:.1f} GiB), "
+            f"{b['merged'] / b['adapters']:.0f}x the bytes")
 
 
 def _vllm_rows(cfg, plan, spec, gpu: float) -> tuple[dict[str, float], list[str], list[str]]:

@@ -327,6 +327,24 @@ def test_non_colocated_vllm_notes_count_the_replicas():
     assert not any("replica" in note for note in memory.roles[0].notes)  # the policy's notes: no engine
 
 
+def test_70B_lora_recipe_refits_its_adapters_not_the_merged_layers():
+    """Llama-3.3-70B (80 layers, hidden 8192, 8 KV heads of 128, FFN 28672), rank 16 on every linear: per layer
+    A [16, in] (in: 8192 for q, k, v, o, gate, up; 28672 for down) and B [out, 16] (out: 8192, 1024, 1024, 8192,
+    28672, 28672, 8192), in bf16 at every refit; merged, every linear weight of the layers after the first refit."""
+    adapters = 80 * 16 * (6 * 8192 + 28672 + 2 * 8192 + 2 * 1024 + 2 * 28672 + 8192) * 2
+    linears = 80 * (2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 28672 * 8192) * 2
+    for refit, chosen in (("adapters", "(policy.lora.refit=adapters, this recipe)"),
+                          ("merged", "(=merged, this recipe:")):
+        _, _, memory = plan_recipe(os.path.join(ROOT, "configs", "grpo_math_70B_lora_megatron.yaml"),
+                                   [f"policy.lora.refit={refit}"])
+        note = next(n for n in memory.roles[0].notes if n.startswith("refit"))
+        assert f"LoRA adapters {adapters / GIB:.2f} GiB" in note and f"merged {linears / GIB:.1f} GiB" in note, note
+        assert chosen in note and note.count("this recipe") == 1
+        assert f"{linears / adapters:.0f}x the bytes" in note
+    _, _, memory = plan_recipe(os.path.join(ROOT, "configs", "grpo_math_70B_megatron.yaml"), [])
+    assert "refit: 131.4 GiB a step (bfloat16, every weight)" in memory.roles[0].notes
+
+
 # ---------------------------------------------------------------------------------------------- LoRA
 LORA = ["policy.lora.enabled=true", "policy.lora.rank=4", "policy.lora.alpha=8"]
 # one layer's adapters on one of TP 2 ranks, rank 4: column-parallel (q, k, v, gate, up) A [4, in] whole,
