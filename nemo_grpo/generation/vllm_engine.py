@@ -31,7 +31,7 @@ unless set: vLLM's automatic binding wants a NUMA node per worker). Colocated, t
 of host shared memory the actor maps once (`load_region_bucket`). On this CPU build the reload itself costs
 ~1.3 s per GiB: vLLM re-creates each layer and re-packs its linear weights for oneDNN (bench/refit.py).
 
-LoRA adapter refits (`lora`: policy.lora with refit=adapters): the engine starts from the base model directory
+LoRA adapter refits (`lora_cfg`: policy.lora with refit=adapters): the engine starts from the base model directory
 with `enable_lora=True` (`max_lora_rank`: vLLM's smallest allowed rank >= policy.lora.rank; its LoRA layers on
 the engine layers under the targets) and a refit's buckets hold the adapters under peft's keys. At
 `finish_refit` every worker builds vLLM's `LoRAModel.from_lora_tensors` from them and puts it in its adapter
@@ -79,6 +79,8 @@ CPU_TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # CPU, tensor_parallel_siz
 # checkpoint names when it is set up, so a full refit cannot leave a layer out.)
 QUIET_LOGGING = {"VLLM_LOGGING_LEVEL": "WARNING"}
 EXPECTED_RELOAD_WARNING = ": Failed to load weights"
+# and, at the first request with the installed adapter, a notice about LoRA adapters' own tokenizers (ours have none)
+EXPECTED_LORA_WARNING = "different tokenizers for different LoRAs"
 CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when the caller has not set it: plenty for small models
 MAX_MODEL_LEN_CAP = 32768  # max_model_len = min(max_position_embeddings, this) unless given
 CPU_PREFILL_TOKENS = 8192  # CPU: prompt tokens prefilled per engine step (at least max_model_len)
@@ -177,6 +179,8 @@ class VllmGenerationWorker:
             os.environ.setdefault(key, value)  # a user's VLLM_LOGGING_LEVEL wins
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             lambda record: not record.getMessage().endswith(EXPECTED_RELOAD_WARNING))
+        logging.getLogger("vllm.v1.engine.input_processor").addFilter(
+            lambda record: EXPECTED_LORA_WARNING not in record.getMessage())
         torch.set_num_threads(num_threads)  # before vLLM's CPU worker disables set_num_threads
         self.in_flight_updates = in_flight_updates  # generate steps the engine itself, a refit between two steps
         self.weight_receiver = WeightReceiver(self, in_flight_updates)
@@ -291,7 +295,7 @@ class VllmGenerationWorker:
 
     def begin_refit(self) -> None:
         """Open a refit: on every worker the model's layers go to the meta device, their loaders buffer until a
-        layer is whole."""
+        layer is whole (adapter refits: nothing moves until finish_refit)."""
         if self._refit_loaded is not None:
             raise RuntimeError("begin_refit: a refit is already open")
         if self.lora_cfg is None:
@@ -317,7 +321,8 @@ class VllmGenerationWorker:
         return count
 
     def finish_refit(self) -> int:
-        """Close the refit: process and place every layer, drop cached prefixes; returns tensors loaded."""
+        """Close the refit: process and place every layer (adapter refits: install the adapter), drop cached
+        prefixes; returns tensors loaded."""
         if self._refit_loaded is None:
             return 0
         if self.lora_cfg is None:
