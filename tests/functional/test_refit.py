@@ -4,7 +4,8 @@ training between tests. PROMPTS are spread over both replicas, so every check be
 
 Each test first refits, so the engine starts from the policy's current weights; then the policy takes a real
 optimizer step at a large learning rate, and the engine must follow only once it is refit. The policy's own
-greedy decoding is computed here with plain transformers from the policy's exported weights.
+greedy decoding is computed here with plain transformers from the policy's exported weights. A LoRA policy on
+the same base refits merged layers into those engines, and only its adapters into engines started with LoRA.
 """
 
 import copy
