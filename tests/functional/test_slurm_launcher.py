@@ -29,6 +29,11 @@ echo "ray $* on=$FAKE_NODE" >> "$FAKE_DIR/log"
 node_file="$FAKE_DIR/nodes/$FAKE_NODE"
 if [[ "$1" == "start" ]]; then
   [[ "$FAKE_NODE" == "${FAKE_FAIL_NODE:-}" ]] && exit 7
+  if [[ "$FAKE_NODE" == "${FAKE_SLOW_NODE:-}" && ! -e "$FAKE_DIR/slow_once" ]]; then  # a busy node's first start
+    touch "$FAKE_DIR/slow_once"
+    echo "Exception: The current node timed out during startup. This could happen because ..."
+    exit 1
+  fi
   echo $$ > "$node_file"
   trap 'rm -f "$node_file"; exit 0' TERM
   while true; do sleep 0.1; done
@@ -108,6 +113,17 @@ def test_a_node_that_never_joins_fails_the_job_with_a_message(fake_slurm):
     assert proc.returncode == 1 and "exited before the cluster was up" in proc.stdout
     assert not (fake_slurm / "ran").exists()
     assert sum(line.startswith("ray stop") for line in log.splitlines()) == 3
+
+
+@pytest.mark.parametrize("node", ["n1", "n3"])
+def test_a_node_that_missed_rays_start_up_wait_is_started_again(fake_slurm, node):
+    """The head or a worker whose raylet missed Ray's fixed 30 s wait (a busy node) gets another `ray start`; the
+    job then runs as usual. Any other exit of a node before the cluster is up still fails it (the test above)."""
+    proc, log = launch(fake_slurm, f"touch {fake_slurm}/ran", FAKE_SLOW_NODE=node)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"Ray on {node} missed its 30 s start-up wait (a busy node): starting it again (try 2 of 3)" in proc.stdout
+    starts = [line.rsplit("on=", 1)[1] for line in log.splitlines() if line.startswith("ray start")]
+    assert sorted(starts) == sorted(["n1", "n2", "n3", node]) and (fake_slurm / "ran").exists()
 
 
 def test_container_options_reach_every_srun(fake_slurm):
