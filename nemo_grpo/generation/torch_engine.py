@@ -53,7 +53,7 @@ class TorchGenerationWorker:
             lora.inject_adapters(self.model, lora_cfg)
         self.model.eval()  # (after the injection: its dropout layers too)
         # what a refit loads: peft's saved key of each adapter -> its state-dict key; else HF names, as they are
-        self.refit_keys = {lora.saved_key(k): k for k in self.model.state_dict() if ".lora_" in k} \
+        self.refit_keys = {lora.saved_key(k): k for k in self.model.state_dict() if lora.is_adapter(k)} \
             if lora_cfg is not None else {k: k for k in self.model.state_dict()}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stop_ids = {self.tokenizer.eos_token_id, *(cfg.stop_token_ids or [])} - {None}

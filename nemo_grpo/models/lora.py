@@ -157,6 +157,11 @@ def inject_adapters(model: torch.nn.Module, lora_cfg) -> None:
     freeze_base(model)
 
 
+def is_adapter(key: str) -> bool:
+    """Whether a state-dict key of a model peft injected adapters into is an adapter's (A or B)."""
+    return ".lora_A." in key or ".lora_B." in key
+
+
 def saved_key(key: str) -> str:
     """An injected adapter's state-dict key ('<module>.lora_A.default.weight') -> peft's saved key."""
     module, which = key.split(f".{PEFT_ADAPTER}.")[0].rsplit(".", 1)

@@ -42,7 +42,6 @@ from nemo_grpo.distributed.resource_plan import counted, node_list, plan_resourc
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.models import lora
 from nemo_grpo.models.counts import total_params
-from nemo_grpo.models.lora import target_modules
 from nemo_grpo.models.spec import ModelSpec, hf_tensors
 from nemo_grpo.planning.params import hf_config
 from nemo_grpo.precision import gpu_precision
@@ -225,7 +224,7 @@ def _policy_role(cfg, plan, spec, gpu: float) -> RolePlan:
     elif kl:
         role.notes.append("reference model: the frozen base with the LoRA adapters disabled (no copy)")
     if p.lora.enabled:
-        role.notes.append(f"LoRA rank {p.lora.rank} on {', '.join(target_modules(p.lora))}: only the adapters "
+        role.notes.append(f"LoRA rank {p.lora.rank} on {', '.join(lora.target_modules(p.lora))}: only the adapters "
                           f"train")
     role.notes.append(_refit_note(p, spec))
     return role
@@ -239,7 +238,7 @@ def refit_bytes(spec: ModelSpec, lora_cfg, itemsize: int) -> dict[str, int]:
     tensors = hf_tensors(spec)
     out = {"full": sum(math.prod(t.shape) for t in tensors) * itemsize}
     if lora_cfg.enabled:
-        trained = lora.trained_names([t.name for t in tensors], target_modules(lora_cfg))
+        trained = lora.trained_names([t.name for t in tensors], lora.target_modules(lora_cfg))
         out["merged"] = sum(math.prod(t.shape) for t in tensors if t.name in trained) * itemsize
         specs = [TensorSpec(t.name, tuple(t.shape), torch.float32) for t in tensors]
         out["adapters"] = sum(s.numel for s in lora.adapter_specs(specs, lora_cfg)) * itemsize

@@ -196,7 +196,7 @@ class DTensorEngine(PolicyEngine):
     def adapter_state(self) -> dict[str, torch.Tensor]:
         out = {}
         for key, t in self.model.state_dict().items():
-            if peft_lora.is_adapter(key):
+            if lora.is_adapter(key):
                 full = par.full_tensor(t.detach())
                 if self.rank == 0:
                     out[lora.saved_key(key)] = full.to("cpu", copy=True)

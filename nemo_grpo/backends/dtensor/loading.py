@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from nemo_grpo.backends.dtensor import lora as peft_lora
 from nemo_grpo.backends.dtensor import parallelize as par
+from nemo_grpo.models import lora
 from nemo_grpo.models.reader import hf_tensor_reader
 
 
@@ -59,7 +60,7 @@ def materialize(model: nn.Module, device: torch.device, path: str, lora_seed: in
 
 def _read(get, name: str, region: tuple, shape: tuple, lora_seed: int) -> torch.Tensor:
     """The `region` (slices) of parameter `name` [shape]: from the checkpoint, or a LoRA adapter's initial value."""
-    if peft_lora.is_adapter(name):
+    if lora.is_adapter(name):
         return peft_lora.initial_adapter(name, shape, lora_seed)[region]
     return get.read_slice(peft_lora.hf_name(name), region)
 

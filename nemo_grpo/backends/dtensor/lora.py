@@ -28,13 +28,9 @@ def initial_adapter(key: str, shape: tuple, seed: int) -> torch.Tensor:
     return lora.initial_a(module, shape, seed) if which == "lora_A" else torch.zeros(shape)
 
 
-def is_adapter(key: str) -> bool:
-    return ".lora_A." in key or ".lora_B." in key
-
-
 def hf_name(key: str) -> Optional[str]:
     """A state-dict key -> the HF state_dict name it exports as (None for adapter weights)."""
-    if is_adapter(key):
+    if lora.is_adapter(key):
         return None
     return key.replace(".base_layer.", ".")
 
