@@ -86,9 +86,6 @@ MAX_MODEL_LEN_CAP = 32768  # max_model_len = min(max_position_embeddings, this) 
 CPU_PREFILL_TOKENS = 8192  # CPU: prompt tokens prefilled per engine step (at least max_model_len)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 LORA_ID, LORA_NAME = 1, "policy"  # the one adapter an adapter refit installs (replaced by the next refit)
-# vLLM's LoRA layers: its fused linears, by the HF projections they hold
-VLLM_LORA_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-                    "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 def _vllm() -> SimpleNamespace:
@@ -117,9 +114,8 @@ def lora_kwargs(lora_cfg) -> dict:
     if not fits:
         raise ValueError(f"policy.lora.rank {lora_cfg.rank}: vLLM's LoRA takes ranks up to {LORA_RANKS[-1]} "
                          "(set policy.lora.refit=merged)")
-    targets = lora.target_modules(lora_cfg)
     return {"enable_lora": True, "max_loras": 1, "max_lora_rank": fits[0],
-            "lora_target_modules": [name for name, parts in VLLM_LORA_LAYERS.items() if set(parts) & set(targets)]}
+            "lora_target_modules": lora.engine_layers(lora.target_modules(lora_cfg))}
 
 
 def peft_helper_config(lora_cfg) -> dict:

@@ -29,8 +29,10 @@ from nemo_grpo.weights.transfer import TensorSpec
 LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
 PEFT_ADAPTER = "default"  # the adapter's name in a model peft injected adapters into
-# the engine's layers (vLLM fuses q/k/v and gate/up): an adapter on one projection changes its whole layer
-ENGINE_LAYERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",))
+# the engine's layers, vLLM's fused linears by the HF projections they hold: an adapter on one projection changes
+# its whole layer (a merged refit sends it again; vLLM puts its LoRA layers on it)
+ENGINE_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+                 "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
 REFITS = ("adapters", "merged")  # policy.lora.refit
 
 
@@ -117,8 +119,13 @@ def merged(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lor
 
 def trained_names(names: list[str], targets: list[str]) -> set[str]:
     """The HF tensors (weights and biases) of the engine layers that hold a target: what a refit sends again."""
-    leaves = {leaf for layer in ENGINE_LAYERS if set(layer) & set(targets) for leaf in layer}
+    leaves = {leaf for layer in engine_layers(targets) for leaf in ENGINE_LAYERS[layer]}
     return {n for n in names if n.rsplit(".", 2)[-2] in leaves}
+
+
+def engine_layers(targets: list[str]) -> list[str]:
+    """The engine layers (ENGINE_LAYERS' names) that hold at least one of the HF projections `targets`."""
+    return [name for name, parts in ENGINE_LAYERS.items() if set(parts) & set(targets)]
 
 
 def initial_a(hf_module: str, shape: tuple, seed: int) -> torch.Tensor:
