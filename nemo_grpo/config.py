@@ -140,6 +140,8 @@ class MathEnvConfig:
     num_workers: int = 2  # verifier processes
     timeout_s: float = 5.0  # per-sample parsing / verification budget
     max_answer_chars: int = 2048  # only the tail of a response is parsed
+    # env.llm_judge (equivalence) decides the answers math-verify cannot parse (not built yet: true is rejected)
+    judge_fallback: bool = False
 
 
 @dataclass
@@ -193,11 +195,82 @@ class RewardModelEnvConfig:
 
 
 @dataclass
+class JudgeGenerationConfig:
+    """env.llm_judge.generation: how the judge decodes (the in-cluster judge's engine, or each HTTP request)."""
+    backend: str = "vllm"  # in the cluster: vllm | torch (vllm falls back to torch, with a notice, where not installed)
+    max_new_tokens: int = 512  # tokens per judge reply at most
+    # the sampling temperature (> 0) of retries, and of first attempts with env.llm_judge.greedy=false
+    temperature: float = 1.0
+    top_p: float = 1.0  # nucleus sampling of sampled attempts; 1: off
+    top_k: Optional[int] = None  # in the cluster: sampled attempts draw among the k most likely tokens; null: off
+    stop_strings: Optional[list[str]] = None  # a reply stops after any of these (over HTTP: the request's stop)
+    # in the cluster, the vLLM engine: tensor_parallel_size (devices per replica), gpu_memory_utilization,
+    # max_model_len (also the torch engine's context; null: the model's max_position_embeddings), precision (null:
+    # auto)
+    vllm_cfg: VllmConfig = field(default_factory=VllmConfig)
+
+    def engine_config(self) -> GenerationConfig:
+        """The GenerationConfig the judge's engine is made with (generation/__init__.py make_generation_engine)."""
+        return GenerationConfig(backend=self.backend, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                top_p=self.top_p, top_k=self.top_k, stop_strings=self.stop_strings,
+                                vllm_cfg=self.vllm_cfg)
+
+
+@dataclass
+class LlmJudgeConfig:
+    """env.llm_judge: rewards from a judge model's replies (envs/llm_judge_env.py; NeMo Gym's key names where it has
+    them): pointwise scores, pairwise comparisons within a prompt's group, or answer equivalence. The judge runs in
+    the cluster (model_name: our own engine, frozen) or behind an OpenAI-compatible URL (base_url and model)."""
+    mode: str = "pointwise"  # pointwise | pairwise | equivalence
+    # a text file, the judge's user message: {response} (pointwise, equivalence), {response_1} and {response_2}
+    # (pairwise), {reference} (equivalence; pointwise optional: env_info ground_truth), {prompt} (optional: the
+    # prompt's last user message); {{name}} is the literal text {name}, other braces are literal
+    judge_prompt_template_fpath: Optional[str] = None
+    judge_system_message: Optional[str] = None  # a system message before the template's; null: none
+    # a regex whose last match in a reply is its number (its first group, if it has one); null: the last
+    # \boxed{...} holding a number. Pairwise: 1 = response_1 is better, 2 = response_2, 0 = a tie
+    score_regex: Optional[str] = None
+    score_min: float = 0.0  # pointwise: the judge's lowest score, reward 0 (scores outside are clamped)
+    score_max: float = 10.0  # pointwise: the judge's highest score, reward 1
+    comparison_strategy: str = "circular"  # pairwise: circular (G comparisons, i with i+1) | all_pairs (G(G-1)/2)
+    # pairwise: each comparison asked in both orders; equivalence: an "equal" verdict asked again with response
+    # and reference swapped, equal only if both say so
+    check_twice_swap: bool = True
+    judge_equal_label: str = "[[A=B]]"  # equivalence: the judge's verdict that the answers are equivalent
+    judge_not_equal_label: str = "[[A!=B]]"  # equivalence: the verdict that they are not
+    # a reply that does not parse is asked again, sampled with a new seed, up to this many times
+    parse_retries: int = 2
+    # the reward of a judgment that never parsed (pointwise, equivalence: the sample's; pairwise: both sides'
+    # points for that comparison order). NeMo Gym genrm_compare's 3.0 on its 1-5 scale (neutral) is 0.5 here
+    default_score: float = 0.0
+    greedy: bool = True  # the first attempt decodes greedily; retries sample at generation.temperature
+    # in the cluster: the judge's local HF directory (null: over HTTP, base_url)
+    model_name: Optional[str] = None
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # name null = model_name
+    # decoding: greedy first attempts (greedy), sampled retries (temperature), reply length, the engine's vLLM keys
+    generation: JudgeGenerationConfig = field(default_factory=JudgeGenerationConfig)
+    # in the cluster: the judge's own devices (worker processes on a CPU); see distributed/resource_plan.py
+    resources: ResourcesConfig = field(default_factory=lambda: ResourcesConfig(gpus_per_node=1, num_nodes=1))
+    base_url: Optional[str] = None  # over HTTP: an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1
+    model: Optional[str] = None  # over HTTP: the served model's name
+    api_key_env: Optional[str] = None  # over HTTP: the environment variable holding the API key; null: no key
+    judge_endpoint_max_concurrency: int = 8  # over HTTP: requests in flight at most
+    timeout_s: float = 60.0  # over HTTP: seconds per request
+    max_retries: int = 3  # over HTTP: a failed request is sent again this many times, with exponential backoff
+
+    @property
+    def in_cluster(self) -> bool:
+        """The judge is our own engine on devices of its own (not a URL)."""
+        return self.model_name is not None
+
+
+@dataclass
 class EnvConfig:
     """env: the environments that score samples, by name (a data set's env_name); null: not configured."""
     math: Optional[MathEnvConfig] = field(default_factory=MathEnvConfig)
     reward_model: Optional[RewardModelEnvConfig] = None
     code: Optional[CodeEnvConfig] = None
+    llm_judge: Optional[LlmJudgeConfig] = None
 
 
 @dataclass

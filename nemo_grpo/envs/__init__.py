@@ -12,6 +12,7 @@ ENVIRONMENTS = {
     "guess": "nemo_grpo.envs.guessing_game:GuessingGameEnvironment",
     "reward_model": "nemo_grpo.envs.reward_model_env:RewardModelEnvironment",
     "code": "nemo_grpo.envs.code_env:CodeEnvironment",
+    "llm_judge": "nemo_grpo.envs.llm_judge_env:LlmJudgeEnvironment",
 }
 
 

@@ -1,0 +1,143 @@
+"""The judges behind env.llm_judge, one protocol (judging.Judge): `judge(conversations, seed) -> replies`, seed None
+for greedy decoding, else request i samples with a seed derived from (seed, i); a reply is None where the request
+failed.
+
+- `EngineJudge`: in the cluster, our own generation engine (generation/: torch or vLLM, env.llm_judge.generation)
+  on the judge's model, frozen: nothing ever refits it. Each conversation is rendered with the judge tokenizer's
+  chat template; a prompt longer than the judge's context less max_new_tokens keeps its last tokens (counted).
+- `HttpJudge`: any OpenAI-compatible /v1/chat/completions (vLLM's `vllm serve`, a hosted API), with the openai
+  package: at most judge_endpoint_max_concurrency requests in flight, timeout_s each, max_retries retries with
+  the client's exponential backoff; a request that still fails is None (the environment asks again, then gives
+  default_score). `check_endpoint` is the start-up check: a server that cannot be reached is a ConfigError
+  naming env.llm_judge.base_url.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+from nemo_grpo.config import ClusterConfig, LlmJudgeConfig
+from nemo_grpo.data.prompts import render_prompt
+from nemo_grpo.errors import ConfigError
+from nemo_grpo.generation import make_generation_engine
+from nemo_grpo.generation.interface import request_seed
+from nemo_grpo.models.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+NO_KEY = "EMPTY"  # the API key sent when env.llm_judge.api_key_env is null (vLLM's server asks for none)
+CHECK_TIMEOUT_S = 10.0  # the start-up check's own timeout
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+class EngineJudge:
+    """The in-cluster judge: a generation engine on env.llm_judge.model_name (its `replicas`: one Ray scheduling
+    strategy each, resource_plan.judge_replicas; (None,): one replica, anywhere)."""
+
+    def __init__(self, cfg: LlmJudgeConfig, replicas=(None,), num_threads: int = 1):
+        self.tokenizer = load_tokenizer(cfg.tokenizer.name or cfg.model_name)
+        if cfg.tokenizer.chat_template is not None:
+            self.tokenizer.chat_template = cfg.tokenizer.chat_template
+        self.max_new_tokens = cfg.generation.max_new_tokens
+        self.max_prompt_tokens = _context_length(cfg) - self.max_new_tokens
+        if self.max_prompt_tokens < 1:
+            raise ConfigError(f"config key 'env.llm_judge.generation.max_new_tokens': {self.max_new_tokens} leaves "
+                              f"no room for a prompt in the judge's context of {_context_length(cfg)} tokens")
+        self.truncated = 0  # prompts cut to their last max_prompt_tokens tokens, since the last take_truncated()
+        self.engine = make_generation_engine(cfg.generation.engine_config(), cfg.model_name,
+                                             ClusterConfig(num_threads_per_worker=num_threads), replicas=replicas)
+
+    def __call__(self, conversations: list[list[dict]], seed: Optional[int]) -> list[Optional[str]]:
+        prompts = []
+        for conversation in conversations:
+            ids = render_prompt(self.tokenizer, conversation)
+            if len(ids) > self.max_prompt_tokens:
+                self.truncated += 1
+                ids = ids[-self.max_prompt_tokens:]
+            prompts.append(ids)
+        outputs = self.engine.generate(prompts, greedy=seed is None, seed=seed)
+        return [self.tokenizer.decode(out.token_ids, skip_special_tokens=True) for out in outputs]
+
+    def take_truncated(self) -> int:
+        """Prompts truncated since the last call."""
+        n, self.truncated = self.truncated, 0
+        return n
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _context_length(cfg: LlmJudgeConfig) -> int:
+    """The judge's context in tokens: generation.vllm_cfg.max_model_len, else its config's max_position_embeddings."""
+    if cfg.generation.vllm_cfg.max_model_len is not None:
+        return cfg.generation.vllm_cfg.max_model_len
+    from transformers import AutoConfig  # here: ~1 s to import
+
+    return int(getattr(AutoConfig.from_pretrained(cfg.model_name), "max_position_embeddings", 32768))
+
+
+def _client(cfg: LlmJudgeConfig, timeout_s: float, max_retries: int):
+    try:
+        from openai import OpenAI
+    except ImportError:
+        raise ConfigError("config key 'env.llm_judge.base_url': the HTTP judge needs the openai package (pip install "
+                          "'nemo-grpo[judge]')") from None
+    key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else NO_KEY
+    return OpenAI(base_url=cfg.base_url, api_key=key, timeout=timeout_s, max_retries=max_retries)
+
+
+def check_endpoint(cfg: LlmJudgeConfig) -> None:
+    """The start-up check of an HTTP judge: its server answers /models and serves env.llm_judge.model; else a
+    ConfigError of one line naming base_url (or model, with the served ones)."""
+    import openai
+
+    try:
+        served = [m.id for m in _client(cfg, min(cfg.timeout_s, CHECK_TIMEOUT_S), 0).models.list()]
+    except openai.OpenAIError as e:
+        raise ConfigError(f"config key 'env.llm_judge.base_url': cannot reach the judge at {cfg.base_url}: "
+                          f"{_one_line(e)}") from None
+    if cfg.model not in served:
+        raise ConfigError(f"config key 'env.llm_judge.model': {cfg.base_url} does not serve '{cfg.model}'; it serves "
+                          f"{', '.join(served) or 'no model'}")
+
+
+class HttpJudge:
+    """The judge behind an OpenAI-compatible URL (env.llm_judge.base_url, model, api_key_env)."""
+
+    def __init__(self, cfg: LlmJudgeConfig):
+        self.cfg = cfg
+        self.client = _client(cfg, cfg.timeout_s, cfg.max_retries)
+        self.pool = ThreadPoolExecutor(cfg.judge_endpoint_max_concurrency, thread_name_prefix="llm-judge")
+
+    def __call__(self, conversations: list[list[dict]], seed: Optional[int]) -> list[Optional[str]]:
+        return list(self.pool.map(lambda item: self._ask(item[1], seed, item[0]), enumerate(conversations)))
+
+    def _ask(self, conversation: list[dict], seed: Optional[int], index: int) -> Optional[str]:
+        import openai
+
+        g = self.cfg.generation
+        sampled = {} if seed is None else {"seed": request_seed(seed, index) % 2**31}
+        if g.stop_strings:
+            sampled["stop"] = list(g.stop_strings)
+        try:
+            reply = self.client.chat.completions.create(
+                model=self.cfg.model, messages=conversation, max_tokens=g.max_new_tokens,
+                temperature=0.0 if seed is None else g.temperature, top_p=1.0 if seed is None else g.top_p, **sampled)
+        except openai.OpenAIError as e:
+            log.warning("LLM judge request to %s failed after %d retries: %s", self.cfg.base_url,
+                        self.cfg.max_retries, _one_line(e))
+            return None
+        return reply.choices[0].message.content or ""
+
+    def take_truncated(self) -> int:
+        """0: the server cuts no prompt (one longer than its context is a failed request)."""
+        return 0
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
