@@ -15,8 +15,8 @@ from nemo_grpo.config import EvalMasterConfig, MasterConfig, read_config, to_dic
 from nemo_grpo.data.datasets import load_problems
 from nemo_grpo.data.prompts import PromptLoader, build_prompts, read_prompt_files
 from nemo_grpo.distributed.cluster import init_ray
-from nemo_grpo.distributed.resource_plan import (check_num_replicas, engine_replicas, plan_resources,
-                                                 replicas_per_node, reserve)
+from nemo_grpo.distributed.resource_plan import (check_num_replicas, engine_replicas, judge_replicas,
+                                                 plan_resources, replicas_per_node, reserve)
 from nemo_grpo.distributed.shared_storage import check_shared_directory
 from nemo_grpo.envs import create_env
 from nemo_grpo.errors import DataError
@@ -27,7 +27,7 @@ from nemo_grpo.models.tokenizer import load_tokenizer as load_tokenizer_dir
 from nemo_grpo.policy import Policy
 from nemo_grpo.utils.checkpoint import CONFIG_YAML, POLICY_DIR, TRAINING_INFO, CheckpointManager
 from nemo_grpo.utils.logger import Logger
-from nemo_grpo.validation import validate_model_layout
+from nemo_grpo.validation import read_judge_template, validate_model_layout
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +66,37 @@ def build_datasets(cfg: MasterConfig, tokenizer, problems: dict | None = None):
 
 def build_environments(cfg: MasterConfig, plan=None, groups: dict | None = None) -> dict:
     """task name -> environment actor, one actor per environment named in data.*.env_name; the reward model
-    starts on its share of the resource plan."""
+    and an in-cluster LLM judge start on their shares of the resource plan."""
     names = {ds.env_name for ds in (cfg.data.train, cfg.data.validation) if ds is not None}
     envs = {}
     for name in sorted(names):
-        extra = {}
+        extra, runtime_env = {}, None
         if name == "reward_model" and plan is not None:
             extra = dict(placement=plan.placements["reward_model"], placement_group=(groups or {}).get(name))
-        envs[name] = create_env(name, getattr(cfg.env, name), **extra)
+        if name == "llm_judge":
+            extra, runtime_env = judge_env_kwargs(cfg.env.llm_judge, cfg.cluster, plan, groups)
+        envs[name] = create_env(name, getattr(cfg.env, name), runtime_env=runtime_env, **extra)
     return envs
+
+
+def judge_env_kwargs(j, cluster, plan=None, groups: dict | None = None) -> tuple[dict, dict | None]:
+    """(constructor kwargs, runtime_env) of the LLM-judge environment: its template, read here on the driver; an
+    in-cluster judge's engine replicas on its share of the resource plan (none: one replica, anywhere); an HTTP
+    judge's API key variable passed on to the actor."""
+    extra = dict(template=read_judge_template(j), num_threads=cluster.num_threads_per_worker)
+    if j.in_cluster and plan is not None:
+        extra["replicas"] = judge_replicas(plan, groups, j.generation.vllm_cfg.tensor_parallel_size)
+    runtime_env = {"env_vars": {j.api_key_env: os.environ[j.api_key_env]}} if j.api_key_env else None
+    return extra, runtime_env
+
+
+def check_judge_endpoint(env_names: list[str], env) -> None:
+    """An HTTP judge's server answers (envs/judge_clients.py check_endpoint), when a data set names llm_judge."""
+    j = env.llm_judge
+    if "llm_judge" in env_names and j is not None and not j.in_cluster:
+        from nemo_grpo.envs.judge_clients import check_endpoint  # here: the openai package loads in ~1 s
+
+        check_endpoint(j)
 
 
 def start_actors(cfg: MasterConfig, model_path: str):
@@ -112,16 +134,17 @@ def start_actors(cfg: MasterConfig, model_path: str):
 
 def build_trainer(cfg: MasterConfig, *, log_to_driver: bool = True, start=start_actors):
     """The GRPOTrainer of a validated config. What the user's input can break is checked first, cheapest first
-    (output directories, the checkpoint to resume, data files, then the model and its tokenizer), so a
-    UserInputError comes before Ray or any actor starts; with Ray up, before any worker: that every node sees
-    checkpointing.checkpoint_dir (shared_storage.py), then the resource plan against the cluster (`reserve`).
-    log_to_driver=False leaves the Ray workers' output in Ray's session logs. start(cfg, model_path) ->
-    RunActors gives the run its actors (`start_actors`; a caller running several runs in one process may hand
-    back actors it kept, reset to their start)."""
+    (output directories, the checkpoint to resume, data files, that an HTTP LLM judge's server answers, then the
+    model and its tokenizer), so a UserInputError comes before Ray or any actor starts; with Ray up, before any
+    worker: that every node sees checkpointing.checkpoint_dir (shared_storage.py), then the resource plan against
+    the cluster (`reserve`). log_to_driver=False leaves the Ray workers' output in Ray's session logs.
+    start(cfg, model_path) -> RunActors gives the run its actors (`start_actors`; a caller running several runs in
+    one process may hand back actors it kept, reset to their start)."""
     checkpointer = CheckpointManager(cfg.checkpointing)  # creates checkpoint_dir, checks that it is writable
     if cfg.checkpointing.enabled and cfg.checkpointing.resume:
         checkpointer.get_latest_checkpoint_path()  # file sizes only: a damaged newest warns, all damaged raises
     problems = load_datasets(cfg)
+    check_judge_endpoint([ds.env_name for ds in (cfg.data.train, cfg.data.validation) if ds is not None], cfg.env)
     model_path = resolve_model_path(cfg.policy.model_name, seed=0)
     if model_path != cfg.policy.model_name:  # a builtin: model's cached build (a local one was checked already)
         check_model_dir(model_path, "policy.model_name")
@@ -189,8 +212,12 @@ def build_evaluator(cfg: EvalMasterConfig, *, log_to_driver: bool = True) -> Eva
         check_model_dir(model_path, "policy.model_name")
     tokenizer = load_tokenizer(cfg, model_path)
     datums, _ = build_prompts(problems, tokenizer, cfg.data, cfg.data.max_input_seq_length, "data")
+    check_judge_endpoint([cfg.data.env_name], cfg.env)
     init_ray(log_to_driver=log_to_driver)
-    envs = {cfg.data.env_name: create_env(cfg.data.env_name, getattr(cfg.env, cfg.data.env_name))}
+    extra, runtime_env = judge_env_kwargs(cfg.env.llm_judge, cfg.cluster) if cfg.data.env_name == "llm_judge" \
+        else ({}, None)
+    envs = {cfg.data.env_name: create_env(cfg.data.env_name, getattr(cfg.env, cfg.data.env_name),
+                                          runtime_env=runtime_env, **extra)}
     engine = make_generation_engine(cfg.policy.generation, model_path, cfg.cluster,
                                     replicas=(None,) * eval_replicas(cfg), precision=cfg.policy.precision)
     ray.get([e.__ray_ready__.remote() for e in envs.values()])

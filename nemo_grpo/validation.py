@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Optional
 
 from nemo_grpo.algorithms.advantages import ESTIMATORS
@@ -24,10 +25,12 @@ from nemo_grpo.algorithms.losses import LOSSES, check_loss_config
 from nemo_grpo.backends.batching import PACKING_ALGORITHMS
 from nemo_grpo.backends.registry import all_specs, backend_names, backend_spec, check_degrees, policy_layout
 from nemo_grpo.backends.router import validate_router_losses
-from nemo_grpo.config import (BUILTIN_MODEL_PREFIX, DatasetConfig, EnvConfig, EvalMasterConfig, MasterConfig,
-                              PolicyConfig, RewardModelEnvConfig, RMEvalConfig, RMTrainConfig, read_config)
+from nemo_grpo.config import (BUILTIN_MODEL_PREFIX, DatasetConfig, EnvConfig, EvalMasterConfig, LlmJudgeConfig,
+                              MasterConfig, PolicyConfig, RewardModelEnvConfig, RMEvalConfig, RMTrainConfig,
+                              read_config)
 from nemo_grpo.distributed.resource_plan import plan_resources
 from nemo_grpo.envs import ENVIRONMENTS
+from nemo_grpo.envs.judging import MODES, STRATEGIES, template_problem
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.errors import require as _need
 from nemo_grpo.errors import require_choice as _choice
@@ -376,6 +379,79 @@ def _validate_data_env(cfg: MasterConfig, files: bool) -> None:
     if rm is not None and rm.active:
         _validate_reward_model(rm, plan_resources(cfg).placements["reward_model"].world_size, files)
     _validate_env_sections(cfg.env)
+    validate_llm_judge(cfg.env.llm_judge, cfg.grpo.num_generations_per_prompt, "grpo.num_generations_per_prompt",
+                       files, judged=d.train.env_name == "llm_judge")
+
+
+def validate_llm_judge(j: Optional[LlmJudgeConfig], group_size: int, group_key: str, files: bool,
+                       judged: bool = False) -> None:
+    """env.llm_judge's own values, its template (when `files`) and where the judge runs; judged: the (training)
+    data set is judged, in groups of `group_size` samples (its key `group_key`), which pairwise mode compares."""
+    if j is None:
+        return
+    key = "env.llm_judge."
+    _choice(j.mode, key + "mode", MODES)
+    _choice(j.comparison_strategy, key + "comparison_strategy", STRATEGIES)
+    _need(j.score_max > j.score_min, key + "score_max", f"{j.score_max} must be > score_min ({j.score_min})")
+    _need(j.parse_retries >= 0, key + "parse_retries", f"must be >= 0, got {j.parse_retries}")
+    if j.score_regex is not None:
+        try:
+            re.compile(j.score_regex)
+        except re.error as e:
+            raise ConfigError(f"config key '{key}score_regex': {j.score_regex!r} is not a regular expression: "
+                              f"{e}") from None
+    labels = (j.judge_equal_label, j.judge_not_equal_label)
+    _need(all(labels) and labels[0] != labels[1], key + "judge_equal_label",
+          f"{labels[0]!r} and judge_not_equal_label {labels[1]!r} must be two different, non-empty labels")
+    _need(not (judged and j.mode == "pairwise" and group_size < 2), key + "comparison_strategy",
+          f"{j.comparison_strategy} compares the samples of a prompt's group, but {group_key} is {group_size}: "
+          f"set {group_key} >= 2, or env.llm_judge.mode=pointwise")
+    if files:
+        read_judge_template(j)
+    _validate_judge_placement(j, files)
+
+
+def read_judge_template(j: LlmJudgeConfig) -> str:
+    """The text of env.llm_judge.judge_prompt_template_fpath, checked for its mode's placeholders; a ConfigError
+    naming the key and the file when it is unset, unreadable or lacks a placeholder."""
+    key, path = "env.llm_judge.judge_prompt_template_fpath", j.judge_prompt_template_fpath
+    _need(bool(path), key, f"is required: a text file with the judge's prompt ({j.mode} mode)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            template = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config key '{key}': cannot read '{path}': {getattr(e, 'strerror', None) or e}") from None
+    problem = template_problem(template, j.mode)
+    _need(problem is None, key, f"'{path}' {problem}")
+    return template
+
+
+def _validate_judge_placement(j: LlmJudgeConfig, files: bool) -> None:
+    """Exactly one of model_name (in the cluster) and base_url (over HTTP), with what each needs."""
+    key = "env.llm_judge."
+    where = ("model_name: a local HF directory the judge runs from in the cluster; base_url: an OpenAI-compatible "
+             "server")
+    _need(j.model_name is not None or j.base_url is not None, key + "model_name",
+          f"neither it nor env.llm_judge.base_url is set: set one ({where})")
+    _need(j.model_name is None or j.base_url is None, key + "model_name",
+          f"'{j.model_name}' and env.llm_judge.base_url '{j.base_url}' are both set: set one ({where})")
+    g = j.generation
+    _positive(g.max_new_tokens, key + "generation.max_new_tokens")
+    _need(g.temperature > 0, key + "generation.temperature", f"must be > 0 (the retries sample), got {g.temperature}")
+    _need(0 < g.top_p <= 1, key + "generation.top_p", f"must be in (0, 1], got {g.top_p}")
+    _positive(g.top_k, key + "generation.top_k", nullable=True)
+    if j.in_cluster:
+        if files:
+            _need_model_dir(j.model_name, key + "model_name", "the judge's Hugging Face model directory")
+        _choice(g.backend, key + "generation.backend", ["torch", "vllm"])
+        _positive(g.vllm_cfg.tensor_parallel_size, key + "generation.vllm_cfg.tensor_parallel_size")
+        return
+    _need(bool(j.model), key + "model", f"is required with base_url ({j.base_url}): the served model's name")
+    _positive(j.judge_endpoint_max_concurrency, key + "judge_endpoint_max_concurrency")
+    _positive(j.timeout_s, key + "timeout_s")
+    _need(j.max_retries >= 0, key + "max_retries", f"must be >= 0, got {j.max_retries}")
+    _need(j.api_key_env is None or j.api_key_env in os.environ, key + "api_key_env",
+          f"the environment variable {j.api_key_env} is not set")
 
 
 def _validate_env_sections(env: EnvConfig) -> None:
@@ -389,6 +465,7 @@ def _validate_env_sections(env: EnvConfig) -> None:
     if env.math is not None:
         _positive(env.math.num_workers, "env.math.num_workers")
         _positive(env.math.timeout_s, "env.math.timeout_s")
+        _need(not env.math.judge_fallback, "env.math.judge_fallback", "is not built yet (issue 49): set it false")
 
 
 def _validate_reward_model(r: RewardModelEnvConfig, world: int, files: bool = True,
@@ -464,6 +541,8 @@ def validate_eval(cfg: EvalMasterConfig, files: bool = True) -> None:
           "evaluation yet; use math or code")
     _need_data_file(None if cfg.data.dataset_name != "ResponseDataset" else cfg.data.data_path, "data.data_path")
     _validate_env_sections(cfg.env)
+    validate_llm_judge(cfg.env.llm_judge, e.num_tests_per_prompt, "eval.num_tests_per_prompt", files,
+                       judged=cfg.data.env_name == "llm_judge")
     for key in ("gpus_per_node", "num_nodes", "num_threads_per_worker"):
         _positive(getattr(cfg.cluster, key), f"cluster.{key}")
 

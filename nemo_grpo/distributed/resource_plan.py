@@ -5,7 +5,8 @@ env.reward_model.resources.gpus_per_node, non-colocated generation policy.genera
 .gpus_per_node, the policy the rest (colocated generation shares the policy's devices).
 Several nodes: the reward model and non-colocated generation get whole nodes of their own (their
 resources.num_nodes, using resources.gpus_per_node of each, default all); the other nodes train the policy.
-Node indices: the policy first (0..p-1, so policy rank 0 is on node 0), then generation, then the reward model.
+Node indices: the policy first (0..p-1, so policy rank 0 is on node 0), then generation, then the reward model,
+then an LLM judge that runs in the cluster (env.llm_judge.resources, taken as the reward model's are).
 The generation engine runs as data-parallel replicas of policy.generation.vllm_cfg.tensor_parallel_size devices
 each, one replica per TP group of every generation device (colocated: the policy's; else generation's own), each
 replica within one node (`ResourcePlan.generation_replicas`); policy.generation.num_replicas keeps the first N.
@@ -29,13 +30,15 @@ from nemo_grpo.config import ClusterConfig, ConfigError, MasterConfig
 
 log = logging.getLogger(__name__)
 
-ROLES = ("policy", "generation", "reward_model")
+ROLES = ("policy", "generation", "reward_model", "llm_judge")
 NODE_INDEX_RESOURCE_PREFIX = "node_index:"
 NODE_ID_LABEL = "ray.io/node-id"
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 RESERVE_TIMEOUT_S = 120.0
 
 RM_KEY = "env.reward_model.resources"
+JUDGE_KEY = "env.llm_judge.resources"
+JUDGE_TP_KEY = "env.llm_judge.generation.vllm_cfg.tensor_parallel_size"
 GEN_KEY = "policy.generation.colocated.resources"
 TP_KEY = "policy.generation.vllm_cfg.tensor_parallel_size"
 REPLICAS_KEY = "policy.generation.num_replicas"
@@ -150,6 +153,9 @@ def _dedicated_roles(cfg: MasterConfig) -> list[tuple[str, str, str, object]]:
     rm = cfg.env.reward_model
     if rm is not None and rm.active:
         roles.append(("reward_model", RM_KEY, "reward model", rm.resources))
+    judge = cfg.env.llm_judge
+    if judge is not None and judge.in_cluster:
+        roles.append(("llm_judge", JUDGE_KEY, "LLM judge", judge.resources))
     return roles
 
 
@@ -171,6 +177,11 @@ def plan_resources(cfg: MasterConfig) -> ResourcePlan:
                              generation_tp=cfg.policy.generation.vllm_cfg.tensor_parallel_size,
                              num_replicas=cfg.policy.generation.num_replicas)
     _check_replicas(resources)
+    if "llm_judge" in placements:
+        judge_tp = cfg.env.llm_judge.generation.vllm_cfg.tensor_parallel_size
+        _positive(judge_tp, JUDGE_TP_KEY)
+        replicas_per_node(placements["llm_judge"].gpus_per_node, judge_tp, "the LLM judge's (env.llm_judge.resources)",
+                          JUDGE_TP_KEY)
     return resources
 
 
@@ -197,12 +208,12 @@ def check_num_replicas(num_replicas: Optional[int], available: int) -> None:
                             f"(one per {TP_KEY} devices)")
 
 
-def replicas_per_node(devices: int, tp: int, where: str) -> int:
+def replicas_per_node(devices: int, tp: int, where: str, tp_key: str = TP_KEY) -> int:
     """Engine replicas on a node of `devices` generation devices (`where`: whose they are): devices / tp; a
-    ConfigError naming policy.generation.vllm_cfg.tensor_parallel_size unless tp divides them (a replica runs
-    within one node)."""
+    ConfigError naming `tp_key` (policy.generation.vllm_cfg.tensor_parallel_size) unless tp divides them (a replica
+    runs within one node)."""
     if devices % tp:
-        _fail(TP_KEY, f"{tp} does not divide the {devices} devices per node of {where}: each engine replica runs "
+        _fail(tp_key, f"{tp} does not divide the {devices} devices per node of {where}: each engine replica runs "
                       f"on one node, {devices} / {tp} replicas per node; use a divisor of {devices}")
     return devices // tp
 
@@ -363,6 +374,19 @@ def engine_replicas(plan: ResourcePlan, groups: dict) -> list:
     log.info("%s: %s", plan.describe_replicas(), ", ".join(
         f"node {node} = {names.get(node_ids[node], node_ids[node])}" for node in sorted(node_ids)))
     return [NodeAffinitySchedulingStrategy(node_ids[node], soft=False) for node in replicas]
+
+
+def judge_replicas(plan: ResourcePlan, groups: dict, tp: int) -> list:
+    """A Ray scheduling strategy per replica of the in-cluster LLM judge's engine: its devices / `tp` replicas on
+    each node of its placement, pinned to the node of its placement group as `engine_replicas` pins generation's."""
+    ray = _ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    place = plan.placements["llm_judge"]
+    bundle_ids = ray.util.placement_group_table(groups["llm_judge"])["bundles_to_node_id"]
+    bundle_nodes = place.bundle_nodes()
+    return [NodeAffinitySchedulingStrategy(bundle_ids[bundle_nodes.index(node)], soft=False)
+            for node in place.nodes for _ in range(place.gpus_per_node // tp)]
 
 
 def release(groups: dict) -> None:

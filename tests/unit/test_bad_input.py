@@ -181,6 +181,55 @@ def test_a_checkpoint_dir_whose_every_checkpoint_is_damaged(train, tmp_path):
     assert "checkpointing.resume=false" in line
 
 
+# ----------------------------------------------------------------------------------------------- LLM judge
+JUDGE = ["data.train.env_name=llm_judge"]
+HTTP_JUDGE = ["env.llm_judge.base_url=http://127.0.0.1:9/v1", "env.llm_judge.model=judge"]  # port 9: nothing there
+
+
+@pytest.mark.parametrize("case", ["no {response}", "unknown placeholder", "missing file", "not UTF-8", "unset",
+                                  "all_pairs with G=1", "neither model_name nor base_url", "both"])
+def test_llm_judge_config(train, tmp_path, tiny_model_dir, case):
+    template = tmp_path / "judge.txt"
+    template.write_bytes({"no {response}": b"{prompt} = {reference}?", "unknown placeholder": b"{response} {answer}",
+                          "not UTF-8": b"\xff{response}"}.get(case, b"score {response}: \\boxed{}"))
+    path = {"missing file": f"{tmp_path}/nope.txt", "unset": None}.get(case, str(template))
+    where = {"neither model_name nor base_url": [], "both": [f"env.llm_judge.model_name={tiny_model_dir()}",
+                                                              *HTTP_JUDGE]}.get(case, HTTP_JUDGE)
+    extra = {"all_pairs with G=1": ["env.llm_judge.mode=pairwise", "env.llm_judge.comparison_strategy=all_pairs",
+                                    "grpo.num_generations_per_prompt=1", "policy.train_global_batch_size=16",
+                                    "policy.train_micro_batch_size=8"]}.get(case, [])
+    fpath = [] if path is None else [f"env.llm_judge.judge_prompt_template_fpath={path}"]
+    line = train(*JUDGE, *fpath, *where, *extra)
+    key = "error: config key 'env.llm_judge.judge_prompt_template_fpath': "
+    assert line == {
+        "no {response}": f"{key}'{template}' has no {{response}}; mode pointwise needs {{response}}",
+        "unknown placeholder": f"{key}'{template}' has an unknown placeholder {{answer}}; mode pointwise takes "
+                               "{response}, {prompt}, {reference} (write {{answer}} for the literal text)",
+        "missing file": f"{key}cannot read '{path}': No such file or directory",
+        "not UTF-8": f"{key}cannot read '{path}': 'utf-8' codec can't decode byte 0xff in position 0: invalid start "
+                     "byte",
+        "unset": f"{key}is required: a text file with the judge's prompt (pointwise mode)",
+        "all_pairs with G=1": "error: config key 'env.llm_judge.comparison_strategy': all_pairs compares the samples "
+                              "of a prompt's group, but grpo.num_generations_per_prompt is 1: set "
+                              "grpo.num_generations_per_prompt >= 2, or env.llm_judge.mode=pointwise",
+        "neither model_name nor base_url": "error: config key 'env.llm_judge.model_name': neither it nor "
+                                           "env.llm_judge.base_url is set: set one (model_name: a local HF directory "
+                                           "the judge runs from in the cluster; base_url: an OpenAI-compatible server)",
+        "both": f"error: config key 'env.llm_judge.model_name': '{tiny_model_dir()}' and env.llm_judge.base_url "
+                "'http://127.0.0.1:9/v1' are both set: set one (model_name: a local HF directory the judge runs from "
+                "in the cluster; base_url: an OpenAI-compatible server)",
+    }[case]
+
+
+def test_llm_judge_server_that_cannot_be_reached_is_named(train, tmp_path):
+    """Checked on the driver before the model loads and Ray starts (build_trainer): one line naming base_url."""
+    template = tmp_path / "judge.txt"
+    template.write_text("score {response}")
+    line = train(*JUDGE, f"env.llm_judge.judge_prompt_template_fpath={template}", *HTTP_JUDGE)
+    assert line.startswith("error: config key 'env.llm_judge.base_url': cannot reach the judge at "
+                           "http://127.0.0.1:9/v1: "), line
+
+
 # ----------------------------------------------------------------------------------------------- the recipe
 def test_recipe_that_is_not_utf8_names_file_and_line(train, tmp_path):
     recipe = write(tmp_path / "recipe.yaml", b"grpo:\n  max_num_steps: 3\n# caf\xe9\n")

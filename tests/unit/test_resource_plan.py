@@ -75,6 +75,30 @@ def test_without_reward_model_the_policy_gets_everything():
     assert (cluster.gpus_per_node, cluster.num_nodes, cluster.num_threads_per_worker) == (8, 1, 2)
 
 
+def test_an_in_cluster_llm_judge_gets_devices_of_its_own_an_http_one_none():
+    judge = ["env.llm_judge.model_name=/judge"]
+    plan = plan_resources(config(ONE_NODE, judge, ["env.llm_judge.resources.gpus_per_node=2",
+                                                   "env.llm_judge.generation.vllm_cfg.tensor_parallel_size=2"]))
+    assert plan.placements == {"policy": Placement("policy", (0,), 6), "llm_judge": Placement("llm_judge", (0,), 2)}
+    assert plan.describe().splitlines()[1] == "llm_judge: nodes 0 x 2 GPUs = 2"
+    plan = plan_resources(config(FOUR_NODES, judge, ["env.reward_model.resources.num_nodes=1",
+                                                     "env.llm_judge.resources.num_nodes=1",
+                                                     "env.llm_judge.resources.gpus_per_node=null"]))
+    assert plan.placements == {"policy": Placement("policy", (0, 1), 8),
+                               "reward_model": Placement("reward_model", (2,), 1),
+                               "llm_judge": Placement("llm_judge", (3,), 8)}
+    http = plan_resources(config(ONE_NODE, ["env.llm_judge.base_url=http://127.0.0.1:8000/v1"]))
+    assert http.placements == {"policy": Placement("policy", (0,), 8)}
+    assert _plan_error(ONE_NODE, judge, ["env.llm_judge.resources.gpus_per_node=3",
+                                         "env.llm_judge.generation.vllm_cfg.tensor_parallel_size=2"]) == (
+        "config key 'env.llm_judge.generation.vllm_cfg.tensor_parallel_size': 2 does not divide the 3 devices per "
+        "node of the LLM judge's (env.llm_judge.resources): each engine replica runs on one node, 3 / 2 replicas per "
+        "node; use a divisor of 3")
+    assert _plan_error(ONE_NODE, judge, ["env.llm_judge.resources.gpus_per_node=8"]) == (
+        "config key 'env.llm_judge.resources.gpus_per_node': cluster.gpus_per_node 8 - LLM judge 8 = 0 GPUs left for "
+        "the policy (needs >= 1)")
+
+
 def _plan_error(*overrides) -> str:
     with pytest.raises(ConfigError) as info:
         plan_resources(config(*overrides))
