@@ -94,13 +94,16 @@ def _client(cfg: LlmJudgeConfig, timeout_s: float, max_retries: int):
 def check_endpoint(cfg: LlmJudgeConfig) -> None:
     """The start-up check of an HTTP judge: its server answers /models and serves env.llm_judge.model; else a
     ConfigError of one line naming base_url (or model, with the served ones)."""
+    client = _client(cfg, min(cfg.timeout_s, CHECK_TIMEOUT_S), 0)  # (a ConfigError without the openai package)
     import openai
 
     try:
-        served = [m.id for m in _client(cfg, min(cfg.timeout_s, CHECK_TIMEOUT_S), 0).models.list()]
+        served = [m.id for m in client.models.list()]
     except openai.OpenAIError as e:
         raise ConfigError(f"config key 'env.llm_judge.base_url': cannot reach the judge at {cfg.base_url}: "
                           f"{_one_line(e)}") from None
+    finally:
+        client.close()
     if cfg.model not in served:
         raise ConfigError(f"config key 'env.llm_judge.model': {cfg.base_url} does not serve '{cfg.model}'; it serves "
                           f"{', '.join(served) or 'no model'}")
