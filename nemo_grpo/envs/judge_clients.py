@@ -73,12 +73,16 @@ class EngineJudge:
 
 
 def _context_length(cfg: LlmJudgeConfig) -> int:
-    """The judge's context in tokens: generation.vllm_cfg.max_model_len, else its config's max_position_embeddings."""
+    """The judge's context in tokens: generation.vllm_cfg.max_model_len, else what the vLLM engine takes without it
+    (its config's max_position_embeddings, capped at vllm_engine.MAX_MODEL_LEN_CAP)."""
     if cfg.generation.vllm_cfg.max_model_len is not None:
         return cfg.generation.vllm_cfg.max_model_len
     from transformers import AutoConfig  # here: ~1 s to import
 
-    return int(getattr(AutoConfig.from_pretrained(cfg.model_name), "max_position_embeddings", 32768))
+    from nemo_grpo.generation.vllm_engine import MAX_MODEL_LEN_CAP
+
+    positions = getattr(AutoConfig.from_pretrained(cfg.model_name), "max_position_embeddings", None)
+    return min(positions or MAX_MODEL_LEN_CAP, MAX_MODEL_LEN_CAP)
 
 
 def _client(cfg: LlmJudgeConfig, timeout_s: float, max_retries: int):
