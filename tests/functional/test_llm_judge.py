@@ -169,6 +169,7 @@ def test_equivalence_asks_again_swapped_and_needs_both(judge, judge_path, hf_gre
         len(r["replies"]) + len(r.get("swap_replies", [])) for r in records)
 
 
+@pytest.mark.slow
 def test_a_grpo_step_judged_through_build(ray_cluster, tiny_model_dir, judge_path, tmp_path):
     """data.train.env_name=llm_judge as a user runs it: build.py reads the template, reserves the judge's device
     (cluster.gpus_per_node 2: one for the policy, one for the judge) and starts the environment's own engine there;
