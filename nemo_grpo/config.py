@@ -230,6 +230,10 @@ class LlmJudgeConfig:
     # a regex whose last match in a reply is its number (its first group, if it has one); null: the last
     # \boxed{...} holding a number. Pairwise: 1 = response_1 is better, 2 = response_2, 0 = a tie
     score_regex: Optional[str] = None
+    # pointwise: words the judge answers with, and the score each stands for (e.g. {negative: 10, positive: 0});
+    # the label ending last in the reply (case ignored) is its score. A small judge that never writes a number
+    # still names a label. Null: the reply's number (score_regex)
+    score_labels: Optional[dict[str, float]] = None
     score_min: float = 0.0  # pointwise: the judge's lowest score, reward 0 (scores outside are clamped)
     score_max: float = 10.0  # pointwise: the judge's highest score, reward 1
     comparison_strategy: str = "circular"  # pairwise: circular (G comparisons, i with i+1) | all_pairs (G(G-1)/2)

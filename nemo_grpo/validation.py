@@ -400,6 +400,11 @@ def validate_llm_judge(j: Optional[LlmJudgeConfig], group_size: int, group_key: 
         except re.error as e:
             raise ConfigError(f"config key '{key}score_regex': {j.score_regex!r} is not a regular expression: "
                               f"{e}") from None
+    if j.score_labels is not None:
+        _need(bool(j.score_labels) and all(label.strip() for label in j.score_labels), key + "score_labels",
+              f"{j.score_labels} must map non-empty labels to scores, e.g. {{negative: 10, positive: 0}}")
+        _need(j.score_regex is None, key + "score_labels", f"{j.score_labels} and {key}score_regex "
+              f"{j.score_regex!r} are both set: a reply's score is read by one of them, set one")
     labels = (j.judge_equal_label, j.judge_not_equal_label)
     _need(all(labels) and labels[0] != labels[1], key + "judge_equal_label",
           f"{labels[0]!r} and judge_not_equal_label {labels[1]!r} must be two different, non-empty labels")

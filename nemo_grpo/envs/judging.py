@@ -4,7 +4,8 @@ environment (envs/llm_judge_env.py) and by config validation.
 - templates: a text file with placeholders `{prompt}`, `{response}`, `{reference}` (pointwise, equivalence) or
   `{response_1}`, `{response_2}` (pairwise); `{{name}}` is the literal text `{name}`; every other brace is literal
   (`\\boxed{}`, `\\frac{1}{2}`), so a rubric may show the judge LaTeX.
-- replies: a number is the last `\\boxed{...}` holding one, or the last match of a configured regex; a pointwise
+- replies: a number is the last `\\boxed{...}` holding one, or the last match of a configured regex, or the
+  score of the configured label (score_labels: "negative" -> 10) that ends last in the reply; a pointwise
   score is mapped linearly from [score_min, score_max] to [0, 1] and clamped; a pairwise verdict is 1 (the first
   response shown is better), 2 (the second) or 0 (a tie); an equivalence verdict is the equal or not-equal label
   that ends last in the reply. Anything else does not parse (None). Judge output is untrusted input: parsing
@@ -122,17 +123,24 @@ def parse_verdict(reply: Optional[str], score_regex: Optional[str] = None) -> Op
     return int(value) if value in (TIE, FIRST, SECOND) else None
 
 
-def parse_equivalence(reply: Optional[str], equal_label: str, not_equal_label: str) -> Optional[bool]:
-    """True / False for the equal / not-equal label that ends last in the reply (where one label ends the other,
-    as "equal" ends "not equal", the longer one), None when neither appears."""
+def parse_label(reply: Optional[str], labels: dict[str, Any], ignore_case: bool = False) -> Any:
+    """The value of the label (a key of `labels`) that ends last in the reply (where one label ends another, as
+    "equal" ends "not equal", the longer one); None when no label appears. ignore_case: "Negative" is "negative"."""
     if not reply:
         return None
+    text = reply.lower() if ignore_case else reply
     ends = {}
-    for verdict, label in ((True, equal_label), (False, not_equal_label)):
-        at = reply.rfind(label)
+    for label in labels:
+        at = text.rfind(label.lower() if ignore_case else label)
         if at >= 0:
-            ends[verdict] = (at + len(label), len(label))
-    return max(ends, key=ends.get) if ends else None
+            ends[label] = (at + len(label), len(label))
+    return labels[max(ends, key=ends.get)] if ends else None
+
+
+def parse_equivalence(reply: Optional[str], equal_label: str, not_equal_label: str) -> Optional[bool]:
+    """True / False for the equal / not-equal label that ends last in the reply (parse_label), None when neither
+    appears."""
+    return parse_label(reply, {equal_label: True, not_equal_label: False})
 
 
 # ----------------------------------------------------------------------------------------------- comparisons

@@ -1,7 +1,8 @@
 """`LlmJudgeEnvironment`: rewards from a judge model's replies (env.llm_judge), in one of three modes.
 
 - pointwise: the judge reads the template filled with the prompt, the response and the reference; its reply's
-  number (judging.parse_number), mapped from [score_min, score_max] to [0, 1], is the reward.
+  number (judging.parse_number) or named label's score (score_labels: judging.parse_label), mapped from
+  [score_min, score_max] to [0, 1], is the reward.
 - pairwise: within each prompt's group, the judge compares responses two at a time (comparison_strategy; both
   orders with check_twice_swap); a response's reward is its win rate, ties counted half (judging.win_rates).
   A group is the samples of one `step` call whose conversations before the reply are identical: GRPO's G samples
@@ -94,7 +95,13 @@ class LlmJudgeEnvironment(EnvironmentInterface):
     # ------------------------------------------------------------------------------------------ modes
     def _pointwise(self, samples: list[dict]) -> tuple[list[float], list[dict]]:
         c = self.cfg
-        judged = self._ask([self._conversation(s) for s in samples], lambda r: judging.parse_number(r, c.score_regex))
+        if c.score_labels:
+            def parse(reply):
+                return judging.parse_label(reply, c.score_labels, ignore_case=True)
+        else:
+            def parse(reply):
+                return judging.parse_number(reply, c.score_regex)
+        judged = self._ask([self._conversation(s) for s in samples], parse)
         rewards = [c.default_score if j.value is None else judging.map_score(j.value, c.score_min, c.score_max)
                    for j in judged]
         return rewards, [{"replies": j.replies, "score": j.value} for j in judged]

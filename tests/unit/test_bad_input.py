@@ -187,7 +187,8 @@ HTTP_JUDGE = ["env.llm_judge.base_url=http://127.0.0.1:9/v1", "env.llm_judge.mod
 
 
 @pytest.mark.parametrize("case", ["no {response}", "unknown placeholder", "missing file", "not UTF-8", "unset",
-                                  "all_pairs with G=1", "neither model_name nor base_url", "both"])
+                                  "all_pairs with G=1", "neither model_name nor base_url", "both",
+                                  "score_labels and score_regex"])
 def test_llm_judge_config(train, tmp_path, tiny_model_dir, case):
     template = tmp_path / "judge.txt"
     template.write_bytes({"no {response}": b"{prompt} = {reference}?", "unknown placeholder": b"{response} {answer}",
@@ -197,7 +198,9 @@ def test_llm_judge_config(train, tmp_path, tiny_model_dir, case):
                                                               *HTTP_JUDGE]}.get(case, HTTP_JUDGE)
     extra = {"all_pairs with G=1": ["env.llm_judge.mode=pairwise", "env.llm_judge.comparison_strategy=all_pairs",
                                     "grpo.num_generations_per_prompt=1", "policy.train_global_batch_size=16",
-                                    "policy.train_micro_batch_size=8"]}.get(case, [])
+                                    "policy.train_micro_batch_size=8"],
+             "score_labels and score_regex": ["env.llm_judge.score_regex=(\\d)",
+                                              "env.llm_judge.score_labels.bad=0"]}.get(case, [])
     fpath = [] if path is None else [f"env.llm_judge.judge_prompt_template_fpath={path}"]
     line = train(*JUDGE, *fpath, *where, *extra)
     key = "error: config key 'env.llm_judge.judge_prompt_template_fpath': "
@@ -218,6 +221,9 @@ def test_llm_judge_config(train, tmp_path, tiny_model_dir, case):
         "both": f"error: config key 'env.llm_judge.model_name': '{tiny_model_dir()}' and env.llm_judge.base_url "
                 "'http://127.0.0.1:9/v1' are both set: set one (model_name: a local HF directory the judge runs from "
                 "in the cluster; base_url: an OpenAI-compatible server)",
+        "score_labels and score_regex": "error: config key 'env.llm_judge.score_labels': {'bad': 0.0} and "
+                                        "env.llm_judge.score_regex '(\\\\d)' are both set: a reply's score is read "
+                                        "by one of them, set one",
     }[case]
 
 

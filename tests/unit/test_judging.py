@@ -72,6 +72,22 @@ def test_parse_equivalence(reply, verdict):
     assert judging.parse_equivalence(reply, "[[A=B]]", "[[A!=B]]") is verdict
 
 
+SENTIMENT = {"negative": 10.0, "positive": 0.0}
+
+
+@pytest.mark.parametrize("reply,score", [
+    ("The sentence is negative.", 10.0), ("Positive", 0.0), ("the sentence is positive, not negative", 10.0),
+    ("NEGATIVE? no, POSITIVE", 0.0), ("the sentence is neutral", None), ("", None), (None, None)])
+def test_parse_label_scores(reply, score):
+    """A pointwise label's score: the label that ends last, case ignored (a 135M judge writes "Positive")."""
+    assert judging.parse_label(reply, SENTIMENT, ignore_case=True) == score
+
+
+def test_parse_label_keeps_case_unless_told():
+    assert judging.parse_label("Negative", SENTIMENT) is None
+    assert judging.parse_label("Negative", SENTIMENT, ignore_case=True) == 10.0
+
+
 def test_equivalence_label_that_ends_the_other():
     """"equal" ends "not equal": both end at the same place, the longer label is the verdict."""
     assert judging.parse_equivalence("these are not equal", "equal", "not equal") is False
