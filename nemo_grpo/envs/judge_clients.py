@@ -24,6 +24,7 @@ from nemo_grpo.data.prompts import render_prompt
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.generation import make_generation_engine
 from nemo_grpo.generation.interface import request_seed
+from nemo_grpo.models.builtin import resolve_model_path
 from nemo_grpo.models.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -40,16 +41,18 @@ class EngineJudge:
     strategy each, resource_plan.judge_replicas; (None,): one replica, anywhere)."""
 
     def __init__(self, cfg: LlmJudgeConfig, replicas=(None,), num_threads: int = 1):
-        self.tokenizer = load_tokenizer(cfg.tokenizer.name or cfg.model_name)
+        model_path = resolve_model_path(cfg.model_name)  # builtin:smollm2-135m-instruct: its cached build
+        self.tokenizer = load_tokenizer(cfg.tokenizer.name or model_path)
         if cfg.tokenizer.chat_template is not None:
             self.tokenizer.chat_template = cfg.tokenizer.chat_template
         self.max_new_tokens = cfg.generation.max_new_tokens
-        self.max_prompt_tokens = _context_length(cfg) - self.max_new_tokens
+        context = _context_length(cfg, model_path)
+        self.max_prompt_tokens = context - self.max_new_tokens
         if self.max_prompt_tokens < 1:
             raise ConfigError(f"config key 'env.llm_judge.generation.max_new_tokens': {self.max_new_tokens} leaves "
-                              f"no room for a prompt in the judge's context of {_context_length(cfg)} tokens")
+                              f"no room for a prompt in the judge's context of {context} tokens")
         self.truncated = 0  # prompts cut to their last max_prompt_tokens tokens, since the last take_truncated()
-        self.engine = make_generation_engine(cfg.generation.engine_config(), cfg.model_name,
+        self.engine = make_generation_engine(cfg.generation.engine_config(), model_path,
                                              ClusterConfig(num_threads_per_worker=num_threads), replicas=replicas)
 
     def __call__(self, conversations: list[list[dict]], seed: Optional[int]) -> list[Optional[str]]:
@@ -72,7 +75,7 @@ class EngineJudge:
         self.engine.shutdown()
 
 
-def _context_length(cfg: LlmJudgeConfig) -> int:
+def _context_length(cfg: LlmJudgeConfig, model_path: str) -> int:
     """The judge's context in tokens: generation.vllm_cfg.max_model_len, else what the vLLM engine takes without it
     (its config's max_position_embeddings, capped at vllm_engine.MAX_MODEL_LEN_CAP)."""
     if cfg.generation.vllm_cfg.max_model_len is not None:
@@ -81,7 +84,7 @@ def _context_length(cfg: LlmJudgeConfig) -> int:
 
     from nemo_grpo.generation.vllm_engine import MAX_MODEL_LEN_CAP
 
-    positions = getattr(AutoConfig.from_pretrained(cfg.model_name), "max_position_embeddings", None)
+    positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     return min(positions or MAX_MODEL_LEN_CAP, MAX_MODEL_LEN_CAP)
 
 
