@@ -11,11 +11,10 @@ seed writes the same files.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
 from typing import Callable
+
+from nemo_grpo.data.splits import save_splits, splits_main
 
 INSTRUCTION = "Put the final answer in \\boxed{}."
 PEOPLE = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Isla", "Jonas"]
@@ -77,24 +76,11 @@ def word_problems(n: int, seed: int) -> list[dict[str, str]]:
 def write_splits(out_dir: str, train: int, heldout: int, seed: int) -> tuple[str, str]:
     """Write `train.jsonl` and `heldout.jsonl` (disjoint) under `out_dir`; returns their paths."""
     problems = word_problems(train + heldout, seed)
-    os.makedirs(out_dir, exist_ok=True)
-    paths = os.path.join(out_dir, "train.jsonl"), os.path.join(out_dir, "heldout.jsonl")
-    for path, rows in zip(paths, (problems[heldout:], problems[:heldout])):
-        with open(path, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-    return paths
+    return save_splits(out_dir, problems[heldout:], problems[:heldout])
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m nemo_grpo.data.word_problems", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="directory for train.jsonl and heldout.jsonl")
-    parser.add_argument("--train", type=int, default=4000, help="training problems (default 4000)")
-    parser.add_argument("--heldout", type=int, default=200, help="held-out problems (default 200)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    for path in write_splits(args.out, args.train, args.heldout, args.seed):
-        print(path)
+    splits_main("nemo_grpo.data.word_problems", __doc__, write_splits, 4000, 200, argv)
 
 
 if __name__ == "__main__":
