@@ -230,6 +230,22 @@ def test_llm_judge_server_that_cannot_be_reached_is_named(train, tmp_path):
                            "http://127.0.0.1:9/v1: "), line
 
 
+@pytest.mark.parametrize("case", ["no env.llm_judge", "pointwise judge", "agreement fraction 1.5"])
+def test_math_judge_fallback_config(train, case):
+    """env.math.judge_fallback needs env.llm_judge in equivalence mode; the agreement fraction is a fraction."""
+    extra = {"no env.llm_judge": [], "pointwise judge": HTTP_JUDGE,
+             "agreement fraction 1.5": ["env.math.judge_agreement_fraction=1.5"]}[case]
+    line = train("env.math.judge_fallback=true", *extra)
+    assert line == {
+        "no env.llm_judge": "error: config key 'env.math.judge_fallback': is true but env.llm_judge is null: set "
+                            "env.llm_judge (mode equivalence), the judge that decides the answers math-verify cannot "
+                            "parse",
+        "pointwise judge": "error: config key 'env.llm_judge.mode': is pointwise, but env.math.judge_fallback needs "
+                           "equivalence (the judge says whether an answer equals the reference)",
+        "agreement fraction 1.5": "error: config key 'env.math.judge_agreement_fraction': must be in [0, 1], got 1.5",
+    }[case]
+
+
 # ----------------------------------------------------------------------------------------------- the recipe
 def test_recipe_that_is_not_utf8_names_file_and_line(train, tmp_path):
     recipe = write(tmp_path / "recipe.yaml", b"grpo:\n  max_num_steps: 3\n# caf\xe9\n")
