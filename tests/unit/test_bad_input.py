@@ -221,11 +221,15 @@ def test_llm_judge_config(train, tmp_path, tiny_model_dir, case):
     }[case]
 
 
-def test_llm_judge_server_that_cannot_be_reached_is_named(train, tmp_path):
-    """Checked on the driver before the model loads and Ray starts (build_trainer): one line naming base_url."""
+@pytest.mark.parametrize("asker", ["llm_judge data set", "math judge_fallback"])
+def test_llm_judge_server_that_cannot_be_reached_is_named(train, tmp_path, asker):
+    """Checked on the driver before the model loads and Ray starts (build_trainer), whichever environment asks the
+    judge: one line naming base_url."""
     template = tmp_path / "judge.txt"
-    template.write_text("score {response}")
-    line = train(*JUDGE, f"env.llm_judge.judge_prompt_template_fpath={template}", *HTTP_JUDGE)
+    template.write_text("is {response} {reference}?")
+    fallback = ["env.math.judge_fallback=true", "env.llm_judge.mode=equivalence"]
+    uses = JUDGE if asker == "llm_judge data set" else fallback
+    line = train(*uses, f"env.llm_judge.judge_prompt_template_fpath={template}", *HTTP_JUDGE)
     assert line.startswith("error: config key 'env.llm_judge.base_url': cannot reach the judge at "
                            "http://127.0.0.1:9/v1: "), line
 

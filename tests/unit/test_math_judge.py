@@ -121,3 +121,22 @@ def test_a_fallback_needs_an_equivalence_judge():
     with pytest.raises(ValueError, match="mode equivalence, not pointwise"):
         JudgeFallback(LlmJudgeConfig(model_name="unused"), 0.1, template="{response}", judge=FakeJudge({}))
 
+
+def test_build_gives_the_math_environment_the_judge(tmp_path, monkeypatch):
+    """build.py starts the math environment with what the LLM-judge environment gets (template read on the driver,
+    threads, an HTTP judge's API key variable) and env.llm_judge itself, only with judge_fallback."""
+    from nemo_grpo.build import env_judge_kwargs, judged
+    from nemo_grpo.config import ClusterConfig, EnvConfig
+
+    template = tmp_path / "equivalence.txt"
+    template.write_text("{response} = {reference}?")
+    monkeypatch.setenv("JUDGE_KEY", "secret")
+    judge_cfg = LlmJudgeConfig(mode="equivalence", judge_prompt_template_fpath=str(template),
+                               base_url="http://127.0.0.1:9/v1", model="judge", api_key_env="JUDGE_KEY")
+    env = EnvConfig(math=MathEnvConfig(judge_fallback=True), llm_judge=judge_cfg)
+    assert judged("math", env) and judged("llm_judge", env) and not judged("code", env)
+    assert not judged("math", EnvConfig(llm_judge=judge_cfg))
+    extra, runtime_env = env_judge_kwargs("math", env, ClusterConfig(num_threads_per_worker=3))
+    assert extra == {"template": "{response} = {reference}?", "num_threads": 3, "judge_cfg": judge_cfg}
+    assert runtime_env == {"env_vars": {"JUDGE_KEY": "secret"}}
+    assert "judge_cfg" not in env_judge_kwargs("llm_judge", env, ClusterConfig())[0]
