@@ -73,16 +73,29 @@ def build_environments(cfg: MasterConfig, plan=None, groups: dict | None = None)
         extra, runtime_env = {}, None
         if name == "reward_model" and plan is not None:
             extra = dict(placement=plan.placements["reward_model"], placement_group=(groups or {}).get(name))
-        if name == "llm_judge":
-            extra, runtime_env = judge_env_kwargs(cfg.env.llm_judge, cfg.cluster, plan, groups)
+        if judged(name, cfg.env):
+            extra, runtime_env = env_judge_kwargs(name, cfg.env, cfg.cluster, plan, groups)
         envs[name] = create_env(name, getattr(cfg.env, name), runtime_env=runtime_env, **extra)
     return envs
 
 
+def judged(name: str, env) -> bool:
+    """Whether environment `name` asks env.llm_judge's judge: llm_judge itself, math with judge_fallback."""
+    return name == "llm_judge" or (name == "math" and env.math is not None and env.math.judge_fallback)
+
+
+def env_judge_kwargs(name: str, env, cluster, plan=None, groups: dict | None = None) -> tuple[dict, dict | None]:
+    """judge_env_kwargs for environment `name` (`judged`); the math environment also gets env.llm_judge itself."""
+    extra, runtime_env = judge_env_kwargs(env.llm_judge, cluster, plan, groups)
+    if name == "math":
+        extra["judge_cfg"] = env.llm_judge
+    return extra, runtime_env
+
+
 def judge_env_kwargs(j, cluster, plan=None, groups: dict | None = None) -> tuple[dict, dict | None]:
-    """(constructor kwargs, runtime_env) of the LLM-judge environment: its template, read here on the driver; an
-    in-cluster judge's engine replicas on its share of the resource plan (none: one replica, anywhere); an HTTP
-    judge's API key variable passed on to the actor."""
+    """(constructor kwargs, runtime_env) of an environment that asks the LLM judge: its template, read here on the
+    driver; an in-cluster judge's engine replicas on its share of the resource plan (none: one replica, anywhere);
+    an HTTP judge's API key variable passed on to the actor."""
     extra = dict(template=read_judge_template(j), num_threads=cluster.num_threads_per_worker)
     if j.in_cluster and plan is not None:
         extra["replicas"] = judge_replicas(plan, groups, j.generation.vllm_cfg.tensor_parallel_size)
@@ -91,9 +104,10 @@ def judge_env_kwargs(j, cluster, plan=None, groups: dict | None = None) -> tuple
 
 
 def check_judge_endpoint(env_names: list[str], env) -> None:
-    """An HTTP judge's server answers (envs/judge_clients.py check_endpoint), when a data set names llm_judge."""
+    """An HTTP judge's server answers (envs/judge_clients.py check_endpoint), when an environment named by a data
+    set asks it (`judged`)."""
     j = env.llm_judge
-    if "llm_judge" in env_names and j is not None and not j.in_cluster:
+    if any(judged(name, env) for name in env_names) and j is not None and not j.in_cluster:
         from nemo_grpo.envs.judge_clients import check_endpoint  # here: the openai package loads in ~1 s
 
         check_endpoint(j)
@@ -214,8 +228,8 @@ def build_evaluator(cfg: EvalMasterConfig, *, log_to_driver: bool = True) -> Eva
     datums, _ = build_prompts(problems, tokenizer, cfg.data, cfg.data.max_input_seq_length, "data")
     check_judge_endpoint([cfg.data.env_name], cfg.env)
     init_ray(log_to_driver=log_to_driver)
-    extra, runtime_env = judge_env_kwargs(cfg.env.llm_judge, cfg.cluster) if cfg.data.env_name == "llm_judge" \
-        else ({}, None)
+    extra, runtime_env = env_judge_kwargs(cfg.data.env_name, cfg.env, cfg.cluster) \
+        if judged(cfg.data.env_name, cfg.env) else ({}, None)
     envs = {cfg.data.env_name: create_env(cfg.data.env_name, getattr(cfg.env, cfg.data.env_name),
                                           runtime_env=runtime_env, **extra)}
     engine = make_generation_engine(cfg.policy.generation, model_path, cfg.cluster,

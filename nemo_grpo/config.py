@@ -140,8 +140,12 @@ class MathEnvConfig:
     num_workers: int = 2  # verifier processes
     timeout_s: float = 5.0  # per-sample parsing / verification budget
     max_answer_chars: int = 2048  # only the tail of a response is parsed
-    # env.llm_judge (equivalence) decides the answers math-verify cannot parse (not built yet: true is rejected)
+    # the answers math-verify cannot parse (no answer found in the response's tail, or an unparsable reference) get
+    # env.llm_judge's verdict (mode equivalence) as their reward; the others keep math-verify's
     judge_fallback: bool = False
+    # with judge_fallback: this fraction of the answers math-verify did decide is asked to the judge as well (chosen by
+    # a hash of the answer and the reference: the same each run), only to measure their agreement (math/judge_agreement)
+    judge_agreement_fraction: float = 0.1
 
 
 @dataclass

@@ -460,7 +460,7 @@ def _validate_judge_placement(j: LlmJudgeConfig, files: bool) -> None:
 
 
 def _validate_env_sections(env: EnvConfig) -> None:
-    """The code and math environments' own values."""
+    """The code and math environments' own values (the math judge fallback's env.llm_judge)."""
     if env.code is not None:
         c = env.code
         _positive(c.num_workers, "env.code.num_workers")
@@ -470,7 +470,16 @@ def _validate_env_sections(env: EnvConfig) -> None:
     if env.math is not None:
         _positive(env.math.num_workers, "env.math.num_workers")
         _positive(env.math.timeout_s, "env.math.timeout_s")
-        _need(not env.math.judge_fallback, "env.math.judge_fallback", "is not built yet (issue 49): set it false")
+        f = env.math.judge_agreement_fraction
+        _need(0 <= f <= 1, "env.math.judge_agreement_fraction", f"must be in [0, 1], got {f}")
+        if env.math.judge_fallback:
+            j = env.llm_judge
+            _need(j is not None, "env.math.judge_fallback",
+                  "is true but env.llm_judge is null: set env.llm_judge (mode equivalence), the judge that decides "
+                  "the answers math-verify cannot parse")
+            _need(j.mode == "equivalence", "env.llm_judge.mode",
+                  f"is {j.mode}, but env.math.judge_fallback needs equivalence (the judge says whether an answer "
+                  "equals the reference)")
 
 
 def _validate_reward_model(r: RewardModelEnvConfig, world: int, files: bool = True,

@@ -6,7 +6,8 @@ env.reward_model.resources.gpus_per_node, non-colocated generation policy.genera
 Several nodes: the reward model and non-colocated generation get whole nodes of their own (their
 resources.num_nodes, using resources.gpus_per_node of each, default all); the other nodes train the policy.
 Node indices: the policy first (0..p-1, so policy rank 0 is on node 0), then generation, then the reward model,
-then an LLM judge that runs in the cluster (env.llm_judge.resources, taken as the reward model's are).
+then an LLM judge that runs in the cluster (env.llm_judge.resources, taken as the reward model's are), whichever
+environment asks it (a data set's llm_judge, or math with env.math.judge_fallback).
 The generation engine runs as data-parallel replicas of policy.generation.vllm_cfg.tensor_parallel_size devices
 each, one replica per TP group of every generation device (colocated: the policy's; else generation's own), each
 replica within one node (`ResourcePlan.generation_replicas`); policy.generation.num_replicas keeps the first N.
@@ -154,6 +155,7 @@ def _dedicated_roles(cfg: MasterConfig) -> list[tuple[str, str, str, object]]:
     if rm is not None and rm.active:
         roles.append(("reward_model", RM_KEY, "reward model", rm.resources))
     judge = cfg.env.llm_judge
+    # set, it is asked (validation: by data.*.env_name llm_judge or by env.math.judge_fallback), so it gets devices
     if judge is not None and judge.in_cluster:
         roles.append(("llm_judge", JUDGE_KEY, "LLM judge", judge.resources))
     return roles

@@ -10,7 +10,8 @@
   to compare with and gets default_score.
 - equivalence: the judge says whether the response's answer equals the reference (judge_equal_label /
   judge_not_equal_label); reward 1 or 0. With check_twice_swap an "equal" is asked again with the two swapped,
-  and stands only if the judge says so again (NeMo Gym's equivalence_llm_judge).
+  and stands only if the judge says so again (NeMo Gym's equivalence_llm_judge). The asking and this mode are
+  envs/judge_modes.py's JudgeAsker, which the math environment's judge fallback (env.math.judge_fallback) shares.
 
 What is filled in: {prompt} is the last user message before the reply, {response} (response_1, response_2) the
 reply (the conversation's last message), {reference} env_info["ground_truth"]. A reply that does not parse is
@@ -25,18 +26,17 @@ asked about it and replied, and what was made of it. Every conversation terminat
 from __future__ import annotations
 
 import logging
-import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from nemo_grpo.config import LlmJudgeConfig
 from nemo_grpo.envs import judging
 from nemo_grpo.envs.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
+from nemo_grpo.envs.judge_modes import RECORD, JudgeAsker, counter_metrics, template_values
 
 log = logging.getLogger(__name__)
 PREFIX = "llm_judge_env"
-RECORD = "llm_judge"  # the metadata key of a sample's judge record
 
 
 class LlmJudgeEnvironment(EnvironmentInterface):
@@ -49,48 +49,9 @@ class LlmJudgeEnvironment(EnvironmentInterface):
         (resource_plan.judge_replicas; None: one replica, anywhere); num_threads: torch threads per engine worker;
         judge: a started judge (judge_clients.EngineJudge or HttpJudge) to use instead of starting one, e.g. one that
         several environments share; its owner shuts it down, not this environment."""
-        from nemo_grpo.envs.judge_clients import EngineJudge, HttpJudge
-
-        if template is None:
-            with open(cfg.judge_prompt_template_fpath, encoding="utf-8") as f:
-                template = f.read()
-        problem = judging.template_problem(template, cfg.mode)
-        if problem is not None:
-            raise ValueError(f"env.llm_judge.judge_prompt_template_fpath {problem}")
-        self.cfg, self.template = cfg, template
-        self.owns_judge = judge is None
-        if judge is None:
-            judge = EngineJudge(cfg, replicas or (None,), num_threads) if cfg.in_cluster else HttpJudge(cfg)
-        self.judge = judge
-        self._asks = 0  # judge_with_retries calls so far: each attempt's seed comes from it
-        self._stats = _new_stats()
-
-    # ------------------------------------------------------------------------------------------ asking
-    def _conversation(self, values: dict[str, str]) -> list[dict[str, str]]:
-        system = [{"role": "system", "content": self.cfg.judge_system_message}] if self.cfg.judge_system_message \
-            else []
-        return system + [{"role": "user", "content": judging.fill_template(self.template, values)}]
-
-    def _seed(self, attempt: int) -> Optional[int]:
-        """Attempt 0: None (greedy) when cfg.greedy; every other attempt a seed of its own."""
-        return None if attempt == 0 and self.cfg.greedy else self._asks * 1000 + attempt
-
-    def _ask(self, conversations: list[list[dict]], parse: Callable) -> list[judging.Judgment]:
-        """Judge every conversation (judging.judge_with_retries), counting calls, time, retries and failures."""
-        if not conversations:
-            return []
-        self._asks += 1
-        start = time.perf_counter()
-        judged, calls = judging.judge_with_retries(conversations, self.judge, parse, self.cfg.parse_retries,
-                                                   self._seed)
-        s = self._stats
-        s["seconds"] += time.perf_counter() - start
-        s["judge_calls"] += calls
-        s["judge_requests"] += sum(len(j.replies) for j in judged)
-        s["retries"] += sum(j.retries for j in judged)
-        s["parse_failures"] += sum(j.value is None for j in judged)
-        s["request_failures"] += sum(reply is None for j in judged for reply in j.replies)
-        return judged
+        self.cfg = cfg
+        self.asker = JudgeAsker(cfg, template, replicas, num_threads, judge)
+        self._pairs = _new_pair_stats()
 
     # ------------------------------------------------------------------------------------------ modes
     def _pointwise(self, samples: list[dict]) -> tuple[list[float], list[dict]]:
@@ -101,29 +62,10 @@ class LlmJudgeEnvironment(EnvironmentInterface):
         else:
             def parse(reply):
                 return judging.parse_number(reply, c.score_regex)
-        judged = self._ask([self._conversation(s) for s in samples], parse)
+        judged = self.asker.ask([self.asker.conversation(s) for s in samples], parse)
         rewards = [c.default_score if j.value is None else judging.map_score(j.value, c.score_min, c.score_max)
                    for j in judged]
         return rewards, [{"replies": j.replies, "score": j.value} for j in judged]
-
-    def _equivalence(self, samples: list[dict]) -> tuple[list[float], list[dict]]:
-        c = self.cfg
-
-        def parse(reply):
-            return judging.parse_equivalence(reply, c.judge_equal_label, c.judge_not_equal_label)
-
-        first = self._ask([self._conversation(s) for s in samples], parse)
-        records = [{"replies": j.replies, "equal": j.value} for j in first]
-        again = [i for i, j in enumerate(first) if j.value is True] if c.check_twice_swap else []
-        swapped = self._ask([self._conversation(dict(samples[i], response=samples[i]["reference"],
-                                                     reference=samples[i]["response"])) for i in again], parse)
-        for i, j in zip(again, swapped):
-            records[i].update(swap_replies=j.replies, swap_equal=j.value)
-        rewards = []
-        for r in records:
-            verdicts = [r["equal"], r.get("swap_equal", r["equal"])]
-            rewards.append(c.default_score if None in verdicts else float(all(verdicts)))
-        return rewards, records
 
     def _pairwise(self, samples: list[dict], groups: list[list[int]]) -> tuple[list[float], list[dict]]:
         """Each group's comparisons, asked all at once; rewards are the win rates within each group."""
@@ -134,9 +76,9 @@ class LlmJudgeEnvironment(EnvironmentInterface):
             for a, b in judging.ordered_comparisons(len(members), c.comparison_strategy, c.check_twice_swap):
                 sa, sb = samples[members[a]], samples[members[b]]
                 asked.append((g, a, b))
-                conversations.append(self._conversation(dict(sa, response_1=sa["response"],
-                                                             response_2=sb["response"])))
-        judged = self._ask(conversations, lambda r: judging.parse_verdict(r, c.score_regex))
+                conversations.append(self.asker.conversation(dict(sa, response_1=sa["response"],
+                                                                  response_2=sb["response"])))
+        judged = self.asker.ask(conversations, lambda r: judging.parse_verdict(r, c.score_regex))
         by_group: list[list] = [[] for _ in groups]
         for (g, a, b), j in zip(asked, judged):
             by_group[g].append((a, b, j))
@@ -144,34 +86,33 @@ class LlmJudgeEnvironment(EnvironmentInterface):
         for members, mine in zip(groups, by_group):
             verdicts = [(a, b, j.value) for a, b, j in mine]
             agree, compared = judging.position_consistency(verdicts)
-            self._stats["pairs_agreeing"] += agree
-            self._stats["pairs_swapped"] += compared
+            self._pairs["pairs_agreeing"] += agree
+            self._pairs["pairs_swapped"] += compared
             for k, (i, reward) in enumerate(zip(members, judging.win_rates(len(members), verdicts,
                                                                             c.default_score))):
                 rewards[i] = reward
                 records[i] = {"group_index": k, "group_size": len(members), "comparisons": [
                     {"first": a, "second": b, "replies": j.replies, "verdict": j.value}
                     for a, b, j in mine if k in (a, b)]}
-        self._stats["single_sample_groups"] += sum(len(m) == 1 for m in groups)
+        self._pairs["single_sample_groups"] += sum(len(m) == 1 for m in groups)
         return rewards, records
 
     # ------------------------------------------------------------------------------------------ the contract
     def step(self, message_logs: list[MessageLog], env_infos: list[dict[str, Any]]) -> EnvironmentReturn:
         """Rewards [B] from the judge (see the module docstring); all terminated; metadata: env_info plus the
         sample's judge record under "llm_judge"."""
-        if self.judge is None:
+        if self.asker.judge is None:
             raise RuntimeError("LlmJudgeEnvironment.step called after shutdown()")
         infos = [dict(info or {}) for info in env_infos]
-        samples = [_sample_values(log_, info) for log_, info in zip(message_logs, infos, strict=True)]
+        samples = [template_values(log_, info) for log_, info in zip(message_logs, infos, strict=True)]
         if self.cfg.mode == "pairwise":
             rewards, records = self._pairwise(samples, prompt_groups(message_logs))
         elif self.cfg.mode == "equivalence":
-            rewards, records = self._equivalence(samples)
+            rewards, records = self.asker.equivalence(samples)
         else:
             rewards, records = self._pointwise(samples)
         for info, record, reward in zip(infos, records, rewards):
             info[RECORD] = dict(record, reward=reward)
-        self._stats["truncated_prompts"] += self.judge.take_truncated()
         n = len(message_logs)
         return EnvironmentReturn(observations=[{"role": "environment", "content": ""} for _ in range(n)],
                                  metadata=infos, next_stop_strings=[None] * n,
@@ -184,41 +125,26 @@ class LlmJudgeEnvironment(EnvironmentInterface):
         failed, HTTP), truncated_prompts, and pairwise position_consistency and single_sample_groups, all counted
         since the previous metrics call (one step's judging: its rollouts, and a validation's if one ran)."""
         rewards = torch.as_tensor(batch["rewards"], dtype=torch.float32).reshape(-1)  # [N]
-        s, self._stats = self._stats, _new_stats()
-        metrics = {"num_samples": float(rewards.numel()),
-                   **{k: float(s[k]) for k in ("judge_calls", "judge_requests", "retries", "parse_failures",
-                                               "request_failures", "truncated_prompts")}}
+        pairs, self._pairs = self._pairs, _new_pair_stats()
+        metrics = {"num_samples": float(rewards.numel()), **counter_metrics(self.asker.take_stats())}
         if rewards.numel():
             metrics["mean_score"] = float(rewards.mean())
-        if s["judge_calls"]:
-            metrics["seconds_per_call"] = s["seconds"] / s["judge_calls"]
         if self.cfg.mode == "pairwise":
-            metrics["single_sample_groups"] = float(s["single_sample_groups"])
-            if s["pairs_swapped"]:
-                metrics["position_consistency"] = s["pairs_agreeing"] / s["pairs_swapped"]
+            metrics["single_sample_groups"] = float(pairs["single_sample_groups"])
+            if pairs["pairs_swapped"]:
+                metrics["position_consistency"] = pairs["pairs_agreeing"] / pairs["pairs_swapped"]
         return batch, {f"{PREFIX}/{k}": v for k, v in metrics.items()}
 
     def shutdown(self) -> None:
         """Free the in-cluster judge's engine (or the HTTP client) if this environment started it; safe twice."""
-        judge, self.judge = getattr(self, "judge", None), None
-        if judge is not None and self.owns_judge:
-            judge.shutdown()
+        asker = getattr(self, "asker", None)
+        if asker is not None:
+            asker.shutdown()
 
 
-def _new_stats() -> dict[str, float]:
-    return dict.fromkeys(("seconds", "judge_calls", "judge_requests", "retries", "parse_failures",
-                          "request_failures", "truncated_prompts", "pairs_agreeing", "pairs_swapped",
-                          "single_sample_groups"), 0)
-
-
-def _sample_values(message_log: MessageLog, env_info: dict[str, Any]) -> dict[str, str]:
-    """A sample's template values: prompt (the last user message before the reply), response (the last
-    message), reference (env_info["ground_truth"], "" without one)."""
-    before = message_log[:-1]
-    prompt = next((m.get("content") or "" for m in reversed(before) if m.get("role") == "user"), "")
-    response = (message_log[-1].get("content") or "") if message_log else ""
-    reference = env_info.get("ground_truth")
-    return {"prompt": str(prompt), "response": str(response), "reference": "" if reference is None else str(reference)}
+def _new_pair_stats() -> dict[str, int]:
+    """pairwise: pairs whose two orders agree, pairs judged in both orders, groups of one sample."""
+    return dict.fromkeys(("pairs_agreeing", "pairs_swapped", "single_sample_groups"), 0)
 
 
 def prompt_groups(message_logs: list[MessageLog]) -> list[list[int]]:

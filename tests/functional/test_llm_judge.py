@@ -1,5 +1,6 @@
 """The LLM-judge environment with an in-cluster judge: one torch engine on a tiny random qwen2 model (fp32), started
-once for the module and shared by an environment per mode (LlmJudgeEnvironment(judge=...)).
+once for the module and shared by an environment per mode (LlmJudgeEnvironment(judge=...)) and by the math
+environment's judge fallback (MathEnvironment(..., judge=...)).
 
 A random tied-embedding model decodes greedily by repeating the prompt's last token, so the templates end with the
 sample text whose last character the judge should echo: a digit parses at the first (greedy) attempt, a letter
@@ -167,6 +168,54 @@ def test_equivalence_asks_again_swapped_and_needs_both(judge, judge_path, hf_gre
     assert [r.get("swap_equal") for r in records[:2]] == [True, False] and rewards[:3] == [1.0, 0.0, 0.0]
     assert metrics["llm_judge_env/judge_requests"] == sum(
         len(r["replies"]) + len(r.get("swap_replies", [])) for r in records)
+
+
+def test_the_math_judge_fallback_decides_what_math_verify_cannot_parse(judge, judge_path, hf_greedy):
+    """env.math.judge_fallback with the module's judge engine, every answer math-verify decided in the agreement
+    sample. The template ends with {response}: the judge echoes the answer's last character, z the equal label, q
+    the not-equal one, anything else does not parse. Answers math-verify parsed keep its reward; the others get
+    what the parser makes of the judge's recorded replies; the two identical unparsed answers are asked once."""
+    from nemo_grpo.config import MathEnvConfig
+    from nemo_grpo.envs.math_env import MathEnvironment
+
+    template = "{prompt} {reference} {response}"
+    cfg = judge_config(judge_path, mode="equivalence", judge_equal_label="zz", judge_not_equal_label="qq",
+                       check_twice_swap=False)
+    env = MathEnvironment(MathEnvConfig(num_workers=1, judge_fallback=True, judge_agreement_fraction=1.0), cfg,
+                          template=template, judge=judge)
+    answers = ["\\boxed{8} so z", "\\boxed{9} so z", "\\boxed{9}.q", "no idea z", "hmmq", "no idea z", "nothing k"]
+    math_verify = [1.0, 0.0, 0.0]  # the first three parse; the rest have no answer
+    try:
+        ret = env.step(conversations([("p", a) for a in answers]), [{"ground_truth": "8", "keep": i} for i in
+                                                                     range(len(answers))])
+        rewards = ret.rewards.tolist()
+        _, metrics = env.global_post_process_and_metrics({
+            "rewards": ret.rewards, "num_generations_per_prompt": len(answers), "response_lengths": torch.ones(7),
+            "truncated": torch.zeros(7, dtype=torch.bool)})
+    finally:
+        env.shutdown()
+    assert [m["keep"] for m in ret.metadata] == list(range(7))
+    records = [m[RECORD] for m in ret.metadata]
+    parse = lambda r: judging.parse_equivalence(r, "zz", "qq")  # noqa: E731
+    for answer, reward, record in zip(answers, rewards, records):
+        check_attempts(record["replies"], parse)
+        assert record["equal"] == parse(record["replies"][-1]) and record["reward"] == reward
+        assert record["replies"][0] == hf_greedy([{"role": "user", "content": f"p 8 {answer}"}])
+    assert rewards[:3] == math_verify and [r["purpose"] for r in records] == ["agreement"] * 3 + ["fallback"] * 4
+    assert rewards[3:] == [DEFAULT if r["equal"] is None else float(r["equal"]) for r in records[3:]]
+    assert [r["equal"] for r in records[:5]] == [True, True, False, True, False] and rewards[3:5] == [1.0, 0.0]
+    asked = records[:5] + records[6:]  # the distinct questions
+    assert metrics.pop("math/judge_seconds_per_call") > 0 and metrics == pytest.approx({
+        "math/accuracy": sum(r > 0 for r in rewards) / 7, "math/pass@7": 1.0,
+        "math/fraction_of_samples_properly_ended": 1.0, "math/mean_response_length": 1.0, "math/num_samples": 7.0,
+        "math/judge_decided": sum(r["equal"] is not None for r in records[3:]),
+        "math/judge_undecided": sum(r["equal"] is None for r in records[3:]),
+        "math/judge_agreement_samples": 3.0, "math/judge_agreement": 2 / 3,
+        "math/judge_calls": max(len(r["replies"]) for r in asked),
+        "math/judge_requests": sum(len(r["replies"]) for r in asked),
+        "math/judge_retries": sum(len(r["replies"]) - 1 for r in asked),
+        "math/judge_parse_failures": sum(r["equal"] is None for r in asked),
+        "math/judge_request_failures": 0.0, "math/judge_truncated_prompts": 0.0})
 
 
 @pytest.mark.slow

@@ -227,13 +227,33 @@ def test_llm_judge_config(train, tmp_path, tiny_model_dir, case):
     }[case]
 
 
-def test_llm_judge_server_that_cannot_be_reached_is_named(train, tmp_path):
-    """Checked on the driver before the model loads and Ray starts (build_trainer): one line naming base_url."""
+@pytest.mark.parametrize("asker", ["llm_judge data set", "math judge_fallback"])
+def test_llm_judge_server_that_cannot_be_reached_is_named(train, tmp_path, asker):
+    """Checked on the driver before the model loads and Ray starts (build_trainer), whichever environment asks the
+    judge: one line naming base_url."""
     template = tmp_path / "judge.txt"
-    template.write_text("score {response}")
-    line = train(*JUDGE, f"env.llm_judge.judge_prompt_template_fpath={template}", *HTTP_JUDGE)
+    template.write_text("is {response} {reference}?")
+    fallback = ["env.math.judge_fallback=true", "env.llm_judge.mode=equivalence"]
+    uses = JUDGE if asker == "llm_judge data set" else fallback
+    line = train(*uses, f"env.llm_judge.judge_prompt_template_fpath={template}", *HTTP_JUDGE)
     assert line.startswith("error: config key 'env.llm_judge.base_url': cannot reach the judge at "
                            "http://127.0.0.1:9/v1: "), line
+
+
+@pytest.mark.parametrize("case", ["no env.llm_judge", "pointwise judge", "agreement fraction 1.5"])
+def test_math_judge_fallback_config(train, case):
+    """env.math.judge_fallback needs env.llm_judge in equivalence mode; the agreement fraction is a fraction."""
+    extra = {"no env.llm_judge": [], "pointwise judge": HTTP_JUDGE,
+             "agreement fraction 1.5": ["env.math.judge_agreement_fraction=1.5"]}[case]
+    line = train("env.math.judge_fallback=true", *extra)
+    assert line == {
+        "no env.llm_judge": "error: config key 'env.math.judge_fallback': is true but env.llm_judge is null: set "
+                            "env.llm_judge (mode equivalence), the judge that decides the answers math-verify cannot "
+                            "parse",
+        "pointwise judge": "error: config key 'env.llm_judge.mode': is pointwise, but env.math.judge_fallback needs "
+                           "equivalence (the judge says whether an answer equals the reference)",
+        "agreement fraction 1.5": "error: config key 'env.math.judge_agreement_fraction': must be in [0, 1], got 1.5",
+    }[case]
 
 
 # ----------------------------------------------------------------------------------------------- the recipe

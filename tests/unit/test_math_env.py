@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from nemo_grpo.envs.math_env import _chunks, verify_answer
+from nemo_grpo.envs.math_env import _chunks, check_answer, verify_answer
 
 TIMEOUT_S = 1.0
 SLACK_S = 3.0  # correctness bound on the wall time of one call, not a benchmark
@@ -146,11 +146,11 @@ def test_identical_pairs_are_verified_once_and_every_sample_gets_its_score():
     from nemo_grpo.envs.math_env import MathEnvironment
 
     env = MathEnvironment.__new__(MathEnvironment)  # its verifier actors replaced by verify_answer in-process
-    env.cfg, env._workers, seen = MathEnvConfig(), ["verifier"], []
+    env.cfg, env._workers, env._fallback, seen = MathEnvConfig(), ["verifier"], None, []
 
     def score_all(pairs):
         seen.extend(pairs)
-        return [verify_answer(r, g, 5.0, env.cfg.max_answer_chars) for r, g in pairs]
+        return [check_answer(r, g, 5.0, env.cfg.max_answer_chars) for r, g in pairs]
 
     env._score_all = score_all
     replies = ["\\boxed{7}", "7", "\\boxed{7}", "8", "\\boxed{7}", "7"]

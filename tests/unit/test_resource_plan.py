@@ -99,6 +99,13 @@ def test_an_in_cluster_llm_judge_gets_devices_of_its_own_an_http_one_none():
         "the policy (needs >= 1)")
 
 
+def test_the_math_judge_fallbacks_in_cluster_judge_gets_devices_with_no_data_set_naming_llm_judge():
+    plan = plan_resources(config(ONE_NODE, ["data.train.env_name=math", "data.validation.env_name=math",
+                                            "env.math.judge_fallback=true", "env.llm_judge.mode=equivalence",
+                                            "env.llm_judge.model_name=/judge"]))
+    assert plan.placements == {"policy": Placement("policy", (0,), 7), "llm_judge": Placement("llm_judge", (0,), 1)}
+
+
 def _plan_error(*overrides) -> str:
     with pytest.raises(ConfigError) as info:
         plan_resources(config(*overrides))
