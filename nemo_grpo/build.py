@@ -70,12 +70,12 @@ def build_environments(cfg: MasterConfig, plan=None, groups: dict | None = None)
     names = {ds.env_name for ds in (cfg.data.train, cfg.data.validation) if ds is not None}
     envs = {}
     for name in sorted(names):
-        extra, runtime_env = {}, None
+        extra = {}
         if name == "reward_model" and plan is not None:
             extra = dict(placement=plan.placements["reward_model"], placement_group=(groups or {}).get(name))
         if judged(name, cfg.env):
-            extra, runtime_env = env_judge_kwargs(name, cfg.env, cfg.cluster, plan, groups)
-        envs[name] = create_env(name, getattr(cfg.env, name), runtime_env=runtime_env, **extra)
+            extra = env_judge_kwargs(name, cfg.env, cfg.cluster, plan, groups)
+        envs[name] = create_env(name, getattr(cfg.env, name), **extra)
     return envs
 
 
@@ -84,23 +84,25 @@ def judged(name: str, env) -> bool:
     return name == "llm_judge" or (name == "math" and env.math is not None and env.math.judge_fallback)
 
 
-def env_judge_kwargs(name: str, env, cluster, plan=None, groups: dict | None = None) -> tuple[dict, dict | None]:
+def env_judge_kwargs(name: str, env, cluster, plan=None, groups: dict | None = None) -> dict:
     """judge_env_kwargs for environment `name` (`judged`); the math environment also gets env.llm_judge itself."""
-    extra, runtime_env = judge_env_kwargs(env.llm_judge, cluster, plan, groups)
+    extra = judge_env_kwargs(env.llm_judge, cluster, plan, groups)
     if name == "math":
         extra["judge_cfg"] = env.llm_judge
-    return extra, runtime_env
+    return extra
 
 
-def judge_env_kwargs(j, cluster, plan=None, groups: dict | None = None) -> tuple[dict, dict | None]:
-    """(constructor kwargs, runtime_env) of an environment that asks the LLM judge: its template, read here on the
-    driver; an in-cluster judge's engine replicas on its share of the resource plan (none: one replica, anywhere);
-    an HTTP judge's API key variable passed on to the actor."""
+def judge_env_kwargs(j, cluster, plan=None, groups: dict | None = None) -> dict:
+    """The constructor kwargs of an environment that asks the LLM judge: its template, read here on the driver;
+    an in-cluster judge's engine replicas on its share of the resource plan (none: one replica, anywhere); an HTTP
+    judge's API key, read here from env.llm_judge.api_key_env (an argument, not the actor's runtime_env, which
+    Ray's dashboard shows)."""
     extra = dict(template=read_judge_template(j), num_threads=cluster.num_threads_per_worker)
     if j.in_cluster and plan is not None:
         extra["replicas"] = judge_replicas(plan, groups, j.generation.vllm_cfg.tensor_parallel_size)
-    runtime_env = {"env_vars": {j.api_key_env: os.environ[j.api_key_env]}} if j.api_key_env else None
-    return extra, runtime_env
+    if j.api_key_env:
+        extra["api_key"] = os.environ[j.api_key_env]
+    return extra
 
 
 def check_judge_endpoint(env_names: list[str], env) -> None:
@@ -228,10 +230,8 @@ def build_evaluator(cfg: EvalMasterConfig, *, log_to_driver: bool = True) -> Eva
     datums, _ = build_prompts(problems, tokenizer, cfg.data, cfg.data.max_input_seq_length, "data")
     check_judge_endpoint([cfg.data.env_name], cfg.env)
     init_ray(log_to_driver=log_to_driver)
-    extra, runtime_env = env_judge_kwargs(cfg.data.env_name, cfg.env, cfg.cluster) \
-        if judged(cfg.data.env_name, cfg.env) else ({}, None)
-    envs = {cfg.data.env_name: create_env(cfg.data.env_name, getattr(cfg.env, cfg.data.env_name),
-                                          runtime_env=runtime_env, **extra)}
+    extra = env_judge_kwargs(cfg.data.env_name, cfg.env, cfg.cluster) if judged(cfg.data.env_name, cfg.env) else {}
+    envs = {cfg.data.env_name: create_env(cfg.data.env_name, getattr(cfg.env, cfg.data.env_name), **extra)}
     engine = make_generation_engine(cfg.policy.generation, model_path, cfg.cluster,
                                     replicas=(None,) * eval_replicas(cfg), precision=cfg.policy.precision)
     ray.get([e.__ray_ready__.remote() for e in envs.values()])

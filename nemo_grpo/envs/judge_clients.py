@@ -88,13 +88,14 @@ def _context_length(cfg: LlmJudgeConfig, model_path: str) -> int:
     return min(positions or MAX_MODEL_LEN_CAP, MAX_MODEL_LEN_CAP)
 
 
-def _client(cfg: LlmJudgeConfig, timeout_s: float, max_retries: int):
+def _client(cfg: LlmJudgeConfig, timeout_s: float, max_retries: int, api_key: Optional[str] = None):
+    """An openai client of base_url; api_key: the key (None: read from the variable api_key_env names)."""
     try:
         from openai import OpenAI
     except ImportError:
         raise ConfigError("config key 'env.llm_judge.base_url': the HTTP judge needs the openai package (pip install "
                           "'nemo-grpo[judge]')") from None
-    key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else NO_KEY
+    key = api_key if api_key is not None else os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else NO_KEY
     return OpenAI(base_url=cfg.base_url, api_key=key, timeout=timeout_s, max_retries=max_retries)
 
 
@@ -117,11 +118,12 @@ def check_endpoint(cfg: LlmJudgeConfig) -> None:
 
 
 class HttpJudge:
-    """The judge behind an OpenAI-compatible URL (env.llm_judge.base_url, model, api_key_env)."""
+    """The judge behind an OpenAI-compatible URL (env.llm_judge.base_url, model; api_key: the key the driver read
+    from api_key_env, None: read it here)."""
 
-    def __init__(self, cfg: LlmJudgeConfig):
+    def __init__(self, cfg: LlmJudgeConfig, api_key: Optional[str] = None):
         self.cfg = cfg
-        self.client = _client(cfg, cfg.timeout_s, cfg.max_retries)
+        self.client = _client(cfg, cfg.timeout_s, cfg.max_retries, api_key)
         self.pool = ThreadPoolExecutor(cfg.judge_endpoint_max_concurrency, thread_name_prefix="llm-judge")
 
     def __call__(self, conversations: list[list[dict]], seed: Optional[int]) -> list[Optional[str]]:

@@ -26,10 +26,11 @@ class JudgeAsker:
     """The judge of an env.llm_judge config, its template, and the counters of what it was asked."""
 
     def __init__(self, cfg: LlmJudgeConfig, template: Optional[str] = None, replicas=None, num_threads: int = 1,
-                 judge=None):
+                 judge=None, api_key: Optional[str] = None):
         """template: the prompt template's text (None: read from judge_prompt_template_fpath); replicas: an
         in-cluster judge engine's scheduling strategies (None: one replica, anywhere); num_threads: torch threads
-        per engine worker; judge: a started judge to use (its owner shuts it down) instead of starting one."""
+        per engine worker; judge: a started judge to use (its owner shuts it down) instead of starting one;
+        api_key: an HTTP judge's key (None: from api_key_env here)."""
         from nemo_grpo.envs.judge_clients import EngineJudge, HttpJudge
 
         if template is None:
@@ -41,7 +42,7 @@ class JudgeAsker:
         self.cfg, self.template = cfg, template
         self.owns_judge = judge is None
         if judge is None:
-            judge = EngineJudge(cfg, replicas or (None,), num_threads) if cfg.in_cluster else HttpJudge(cfg)
+            judge = EngineJudge(cfg, replicas or (None,), num_threads) if cfg.in_cluster else HttpJudge(cfg, api_key)
         self.judge = judge
         self._asks = 0  # ask() calls so far: each attempt's seed comes from it
         self.stats = dict.fromkeys(COUNTERS, 0)

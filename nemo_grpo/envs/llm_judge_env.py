@@ -43,14 +43,15 @@ class LlmJudgeEnvironment(EnvironmentInterface):
     """Judges conversations with env.llm_judge's judge; started as a Ray actor by `create_env`."""
 
     def __init__(self, cfg: LlmJudgeConfig, template: Optional[str] = None, replicas=None, num_threads: int = 1,
-                 judge=None):
+                 judge=None, api_key: Optional[str] = None):
         """template: the judge's prompt template text (build.py reads it on the driver; None: read here from
         judge_prompt_template_fpath); replicas: the in-cluster judge engine's scheduling strategies
         (resource_plan.judge_replicas; None: one replica, anywhere); num_threads: torch threads per engine worker;
         judge: a started judge (judge_clients.EngineJudge or HttpJudge) to use instead of starting one, e.g. one that
-        several environments share; its owner shuts it down, not this environment."""
+        several environments share; its owner shuts it down, not this environment; api_key: an HTTP judge's key
+        (build.py reads it on the driver)."""
         self.cfg = cfg
-        self.asker = JudgeAsker(cfg, template, replicas, num_threads, judge)
+        self.asker = JudgeAsker(cfg, template, replicas, num_threads, judge, api_key)
         self._pairs = _new_pair_stats()
 
     # ------------------------------------------------------------------------------------------ modes

@@ -56,14 +56,14 @@ class JudgeFallback:
     metrics() call."""
 
     def __init__(self, judge_cfg: LlmJudgeConfig, agreement_fraction: float, template: Optional[str] = None,
-                 replicas=None, num_threads: int = 1, judge=None):
+                 replicas=None, num_threads: int = 1, judge=None, api_key: Optional[str] = None):
         """judge_cfg: env.llm_judge (mode equivalence); the rest as judge_modes.JudgeAsker's."""
         if judge_cfg.mode != "equivalence":
             raise ValueError(f"env.math.judge_fallback needs env.llm_judge.mode equivalence, not {judge_cfg.mode}")
         if not 0 <= agreement_fraction <= 1:
             raise ValueError(f"env.math.judge_agreement_fraction must be in [0, 1], got {agreement_fraction}")
         self.fraction = agreement_fraction
-        self.asker = JudgeAsker(judge_cfg, template, replicas, num_threads, judge)
+        self.asker = JudgeAsker(judge_cfg, template, replicas, num_threads, judge, api_key)
         fields = judging.template_fields(self.asker.template)
         self._fields = [k for k in ("prompt", "response", "reference") if k in fields]  # what a question is
         self._counts = dict.fromkeys(COUNTS, 0)

@@ -124,7 +124,7 @@ def test_a_fallback_needs_an_equivalence_judge():
 
 def test_build_gives_the_math_environment_the_judge(tmp_path, monkeypatch):
     """build.py starts the math environment with what the LLM-judge environment gets (template read on the driver,
-    threads, an HTTP judge's API key variable) and env.llm_judge itself, only with judge_fallback."""
+    threads, an HTTP judge's API key) and env.llm_judge itself, only with judge_fallback."""
     from nemo_grpo.build import env_judge_kwargs, judged
     from nemo_grpo.config import ClusterConfig, EnvConfig
 
@@ -136,7 +136,7 @@ def test_build_gives_the_math_environment_the_judge(tmp_path, monkeypatch):
     env = EnvConfig(math=MathEnvConfig(judge_fallback=True), llm_judge=judge_cfg)
     assert judged("math", env) and judged("llm_judge", env) and not judged("code", env)
     assert not judged("math", EnvConfig(llm_judge=judge_cfg))
-    extra, runtime_env = env_judge_kwargs("math", env, ClusterConfig(num_threads_per_worker=3))
-    assert extra == {"template": "{response} = {reference}?", "num_threads": 3, "judge_cfg": judge_cfg}
-    assert runtime_env == {"env_vars": {"JUDGE_KEY": "secret"}}
-    assert "judge_cfg" not in env_judge_kwargs("llm_judge", env, ClusterConfig())[0]
+    extra = env_judge_kwargs("math", env, ClusterConfig(num_threads_per_worker=3))
+    assert extra == {"template": "{response} = {reference}?", "num_threads": 3, "judge_cfg": judge_cfg,
+                     "api_key": "secret"}  # an argument: a runtime_env's variables show in Ray's dashboard
+    assert "judge_cfg" not in env_judge_kwargs("llm_judge", env, ClusterConfig())
