@@ -15,7 +15,7 @@ setup:
 # the CPU set's clean-up (scripts/setup.sh) must run after TRL's install too: a bare `pip install -e '.[cpu,bench]'`
 # brings back torchvision/torchaudio, and then `import transformers` fails ("operator torchvision::nms does not exist")
 setup-bench:
-	NEMO_GRPO_EXTRAS=$${NEMO_GRPO_EXTRAS:-cpu,mcore,test,smollm2},bench bash scripts/setup.sh
+	NEMO_GRPO_EXTRAS=$${NEMO_GRPO_EXTRAS:-cpu,mcore,test,smollm2,judge},bench bash scripts/setup.sh
 
 train: setup
 	$(PY) -m nemo_grpo.train $(ARGS)

