@@ -159,12 +159,8 @@ def plan_memory(cfg, plan=None) -> MemoryPlan:
     if g.backend == "vllm" and not g.colocated.enabled and "generation" not in plan.placements:
         roles[0].notes.append(f"{plan.describe_replicas()}: vLLM on a CPU-only cluster, nothing to plan")
     elif g.backend == "vllm" and not g.colocated.enabled:
-        place = plan.placements["generation"]
-        rows, problems, notes = _vllm_rows(cfg, plan, spec, gpu)
-        layout = (f"vLLM {counted(len(plan.generation_replicas()), 'replica')} x TP {plan.generation_tp} = "
-                  f"{place.world_size} GPUs on nodes {node_list(place.nodes)}")
-        roles.append(RolePlan("generation", layout, _with_reserve([Device("every rank", {"generation": rows})]),
-                              place.gpus_per_node, notes=notes, problems=problems))
+        roles.append(_engine_role("generation", "generation", _generation_engine(cfg, plan, spec),
+                                  plan.placements["generation"], gpu))
     r = cfg.env.reward_model
     if r is not None and r.active:
         roles.append(_reward_model_role(r, plan))
@@ -212,7 +208,7 @@ def _policy_role(cfg, plan, spec, gpu: float) -> RolePlan:
     if spec.experts:
         role.notes += backend_spec(p.backend).moe_notes(p, spec, layout)
     if vllm_colocated:
-        rows, role.problems, notes = _vllm_rows(cfg, plan, spec, gpu)
+        rows, role.problems, notes = _vllm_rows(_generation_engine(cfg, plan, spec), gpu)
         for d in role.devices:
             d.phases["generation (colocated vLLM)"] = dict(rows, **{RESERVE: RUNTIME_RESERVE_GIB * GIB})
         role.host_per_gpu["vLLM asleep (weights)"] = rows[VLLM_WEIGHTS]
@@ -258,35 +254,65 @@ def _refit_note(p, spec: ModelSpec) -> str:
             f"{b['merged'] / b['adapters']:.0f}x the bytes")
 
 
-def _vllm_rows(cfg, plan, spec, gpu: float) -> tuple[dict[str, float], list[str], list[str]]:
+@dataclass(frozen=True)
+class VllmEngine:
+    """A vLLM engine to plan (policy generation, the LLM judge): its model, devices per replica, replicas,
+    gpu_memory_utilization, the tokens of one sequence its KV cache must hold, the prefix of its vllm_cfg keys (named
+    in a problem) and the requests it serves a step (`noun`), `remedy` besides raising the utilization or TP."""
+    spec: ModelSpec
+    tp: int
+    replicas: int
+    util: float
+    seq: int
+    key: str
+    requests: int
+    noun: str = "rollouts"
+    remedy: str = ""
+
+
+def _generation_engine(cfg, plan, spec) -> VllmEngine:
+    """The policy's vLLM engine: policy.max_total_sequence_length per sequence, a step's rollouts."""
+    g = cfg.policy.generation
+    return VllmEngine(spec, plan.generation_tp, len(plan.generation_replicas()), g.vllm_cfg.gpu_memory_utilization,
+                      cfg.policy.max_total_sequence_length, "policy.generation.vllm_cfg",
+                      cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt)
+
+
+def _vllm_rows(e: VllmEngine, gpu: float) -> tuple[dict[str, float], list[str], list[str]]:
     """vLLM on one of its devices: weights (bf16, / tp) and the KV cache gpu_memory_utilization leaves; the
     problems (no room for one sequence) and notes: the replicas, a replica's weights and the caches' capacity."""
-    g, seq = cfg.policy.generation, cfg.policy.max_total_sequence_length
-    tp, util = plan.generation_tp, g.vllm_cfg.gpu_memory_utilization
-    weights = total_params(spec) * 2.0 / tp
-    kv_per_token = 2 * spec.num_layers * max(1, spec.kv_heads // tp) * spec.head_dim * 2  # K and V, bf16
-    kv = util * gpu - weights
+    weights = total_params(e.spec) * 2.0 / e.tp
+    kv_per_token = 2 * e.spec.num_layers * max(1, e.spec.kv_heads // e.tp) * e.spec.head_dim * 2  # K and V, bf16
+    kv = e.util * gpu - weights
     rows = {VLLM_WEIGHTS: weights, "vLLM KV cache": max(kv, 0.0)}
     problems = []
-    if kv < kv_per_token * seq:
-        problems.append(f"policy.generation.vllm_cfg.gpu_memory_utilization {util} x {gpu / GIB:g} GiB leaves "
-                        f"{kv / GIB:.1f} GiB for the KV cache after {weights / GIB:.1f} GiB of weights, less than "
-                        f"one sequence of {seq} tokens ({kv_per_token * seq / GIB:.2f} GiB): raise it or "
-                        f"vllm_cfg.tensor_parallel_size")
+    if kv < kv_per_token * e.seq:
+        problems.append(f"{e.key}.gpu_memory_utilization {e.util} x {gpu / GIB:g} GiB leaves {kv / GIB:.1f} GiB for "
+                        f"the KV cache after {weights / GIB:.1f} GiB of weights, less than one sequence of {e.seq} "
+                        f"tokens ({kv_per_token * e.seq / GIB:.2f} GiB): raise it or vllm_cfg.tensor_parallel_size"
+                        f"{e.remedy}")
     tokens = max(kv, 0.0) / kv_per_token  # of one replica: its TP devices hold a share of each token's K and V
-    return rows, problems, _replica_notes(cfg, plan, weights, tokens)
+    return rows, problems, _replica_notes(e, weights, tokens)
 
 
-def _replica_notes(cfg, plan, device_weights: float, tokens: float) -> list[str]:
+def _replica_notes(e: VllmEngine, device_weights: float, tokens: float) -> list[str]:
     """What one engine replica holds (a full copy of the weights over its TP devices, a KV cache of `tokens`)
-    and what all of them hold, in tokens and sequences of policy.max_total_sequence_length."""
-    tp, n, seq = plan.generation_tp, len(plan.generation_replicas()), cfg.policy.max_total_sequence_length
-    rollouts = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    and what all of them hold, in tokens and sequences of e.seq tokens, against the requests of a step."""
+    tp, n, seq = e.tp, e.replicas, e.seq
     return [f"vLLM replica: weights {device_weights * tp / GIB:.1f} GiB (bf16, / TP {tp} = "
             f"{device_weights / GIB:.1f} per device), KV cache {tokens:,.0f} tokens = {tokens / seq:,.1f} sequences "
             f"of {seq} tokens",
             f"vLLM, {counted(n, 'replica')}: KV cache {tokens * n:,.0f} tokens = {tokens * n / seq:,.1f} sequences "
-            f"at once, for {rollouts} rollouts per step ({rollouts / n:,.0f} per replica)"]
+            f"at once, for {e.requests} {e.noun} per step ({e.requests / n:,.0f} per replica)"]
+
+
+def _engine_role(role: str, phase: str, e: VllmEngine, place, gpu: float, extra: str = "") -> RolePlan:
+    """A role of vLLM replicas on devices of its own (`place`): one device's rows in `phase`, the replica notes."""
+    rows, problems, notes = _vllm_rows(e, gpu)
+    layout = (f"vLLM {counted(e.replicas, 'replica')} x TP {e.tp} = {place.world_size} GPUs on nodes "
+              f"{node_list(place.nodes)}{extra}")
+    return RolePlan(role, layout, _with_reserve([Device("every rank", {phase: rows})]), place.gpus_per_node,
+                    notes=notes, problems=problems)
 
 
 def _reward_model_role(r, plan) -> RolePlan:
