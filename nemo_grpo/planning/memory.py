@@ -24,6 +24,11 @@ what they share (backends/memory_model.py), and the rest:
              the weights with a KV cache of its own; the rows are one device's, the notes count the replicas.
              Colocated, the policy moves to host memory while vLLM generates and vLLM sleeps (level 1) while the
              policy trains: the two phases are checked apart.
+  LLM judge  (env.llm_judge.model_name: in the cluster) the same vLLM rows and replica notes on its own devices
+             (env.llm_judge.resources; devices / its tp replicas per node), for a model that is never refit. A
+             device must hold one sequence of the judge's context: vllm_cfg.max_model_len, else the model's
+             max_position_embeddings capped as the engine caps it (vLLM's own check at start). The torch engine
+             is not planned (a note), as the policy's torch generation is not.
 Activations assume every sequence at policy.max_total_sequence_length, a packed row full at its token budget
 (backends/activations.py). Every GPU also keeps RUNTIME_RESERVE_GIB for the CUDA context, NCCL buffers and
 allocator fragmentation.
@@ -39,11 +44,12 @@ import torch
 from nemo_grpo.backends.memory_model import Device, Workload
 from nemo_grpo.backends.registry import backend_spec, policy_layout
 from nemo_grpo.distributed.resource_plan import counted, node_list, plan_resources
+from nemo_grpo.envs import judging
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.models import lora
 from nemo_grpo.models.counts import total_params
 from nemo_grpo.models.spec import ModelSpec, hf_tensors
-from nemo_grpo.planning.params import hf_config
+from nemo_grpo.planning.params import decoder_spec, hf_config
 from nemo_grpo.precision import gpu_precision
 from nemo_grpo.weights.transfer import TensorSpec
 
@@ -164,6 +170,9 @@ def plan_memory(cfg, plan=None) -> MemoryPlan:
     r = cfg.env.reward_model
     if r is not None and r.active:
         roles.append(_reward_model_role(r, plan))
+    j = cfg.env.llm_judge
+    if j is not None and j.in_cluster:
+        roles += _judge_roles(cfg, plan, gpu, roles[0])
     return MemoryPlan(gpu, roles)
 
 
@@ -258,7 +267,7 @@ def _refit_note(p, spec: ModelSpec) -> str:
 class VllmEngine:
     """A vLLM engine to plan (policy generation, the LLM judge): its model, devices per replica, replicas,
     gpu_memory_utilization, the tokens of one sequence its KV cache must hold, the prefix of its vllm_cfg keys (named
-    in a problem) and the requests it serves a step (`noun`), `remedy` besides raising the utilization or TP."""
+    in a problem), the requests it serves (`noun`: of what, per what), `remedy` besides raising utilization or TP."""
     spec: ModelSpec
     tp: int
     replicas: int
@@ -266,7 +275,7 @@ class VllmEngine:
     seq: int
     key: str
     requests: int
-    noun: str = "rollouts"
+    noun: str = "rollouts per step"
     remedy: str = ""
 
 
@@ -303,7 +312,7 @@ def _replica_notes(e: VllmEngine, device_weights: float, tokens: float) -> list[
             f"{device_weights / GIB:.1f} per device), KV cache {tokens:,.0f} tokens = {tokens / seq:,.1f} sequences "
             f"of {seq} tokens",
             f"vLLM, {counted(n, 'replica')}: KV cache {tokens * n:,.0f} tokens = {tokens * n / seq:,.1f} sequences "
-            f"at once, for {e.requests} {e.noun} per step ({e.requests / n:,.0f} per replica)"]
+            f"at once, for {e.requests} {e.noun} ({e.requests / n:,.0f} per replica)"]
 
 
 def _engine_role(role: str, phase: str, e: VllmEngine, place, gpu: float, extra: str = "") -> RolePlan:
@@ -323,3 +332,61 @@ def _reward_model_role(r, plan) -> RolePlan:
     devices, _ = backend_spec(p.backend).plan_devices(p, spec, w, place.world_size)
     return RolePlan("reward model", _layout(p, place.world_size, place.nodes, "env.reward_model"),
                     _with_reserve(devices), place.gpus_per_node)
+
+
+# ---------------------------------------------------------------------------------------------- the LLM judge
+def _judge_roles(cfg, plan, gpu: float, policy: RolePlan) -> list[RolePlan]:
+    """The in-cluster LLM judge (env.llm_judge.model_name, frozen): its vLLM replicas on its own devices; a note on
+    the policy's role instead where nothing is planned (the torch engine, or no devices: a CPU-only cluster)."""
+    j = cfg.env.llm_judge
+    if j.generation.backend != "vllm":
+        policy.notes.append("LLM judge: the torch engine (a fallback) is not planned")
+        return []
+    if "llm_judge" not in plan.placements:
+        policy.notes.append("LLM judge: vLLM on an actor without devices (no llm_judge placement): on a CPU-only "
+                            "cluster, nothing to plan")
+        return []
+    place = plan.placements["llm_judge"]
+    return [_engine_role("LLM judge", "judging", _judge_engine(cfg, place), place, gpu, f", {j.model_name}, frozen")]
+
+
+def _judge_engine(cfg, place) -> VllmEngine:
+    """The judge's engine: its ModelSpec from its HF config, devices / TP replicas on each of its nodes
+    (resource_plan.judge_replicas), one sequence of its context: vllm_cfg.max_model_len, else what vLLM takes
+    (vllm_engine.default_max_model_len) and checks at start."""
+    from nemo_grpo.generation.vllm_engine import MAX_MODEL_LEN_CAP, default_max_model_len  # here: it imports ray
+
+    j, key = cfg.env.llm_judge, "env.llm_judge"
+    hf = hf_config(j.model_name, f"{key}.model_name")
+    try:
+        spec = decoder_spec(hf, scalar_head=False, any_rope=True)  # vLLM builds any RoPE scaling
+    except ValueError as e:
+        raise ConfigError(f"{key} ({j.model_name}): {e}") from None
+    v = j.generation.vllm_cfg
+    if v.max_model_len is not None:
+        seq, remedy = v.max_model_len, ", or lower vllm_cfg.max_model_len"
+    else:
+        seq = default_max_model_len(hf)
+        remedy = (f", or set a shorter vllm_cfg.max_model_len (unset: the model's max_position_embeddings "
+                  f"{getattr(hf, 'max_position_embeddings', None)}, capped at {MAX_MODEL_LEN_CAP})")
+    requests, noun = _judge_requests(cfg)
+    replicas = place.num_nodes * (place.gpus_per_node // v.tensor_parallel_size)
+    return VllmEngine(spec, v.tensor_parallel_size, replicas, v.gpu_memory_utilization, seq,
+                      f"{key}.generation.vllm_cfg", requests, noun, remedy)
+
+
+def _judge_requests(cfg) -> tuple[int, str]:
+    """The judge's first asks (parse retries aside) of a training step, or of a validation batch where only
+    validation is judged: one a sample (pointwise; equivalence with check_twice_swap: at most two), or its
+    group's ordered comparisons (pairwise); and what they are."""
+    j, g = cfg.env.llm_judge, cfg.grpo
+    if cfg.data.train.env_name == "llm_judge":
+        groups, size, per = g.num_prompts_per_step, g.num_generations_per_prompt, "per step"
+    else:
+        groups, size, per = min(g.val_batch_size, g.max_val_samples), 1, "per validation batch"
+    if j.mode == "pairwise":
+        pairs = judging.ordered_comparisons(size, j.comparison_strategy, j.check_twice_swap)
+        return groups * len(pairs), f"judge requests {per}"
+    if j.mode == "equivalence" and j.check_twice_swap:
+        return 2 * groups * size, f"judge requests {per} at most"
+    return groups * size, f"judge requests {per}"
