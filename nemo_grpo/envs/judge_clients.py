@@ -77,15 +77,14 @@ class EngineJudge:
 
 def _context_length(cfg: LlmJudgeConfig, model_path: str) -> int:
     """The judge's context in tokens: generation.vllm_cfg.max_model_len, else what the vLLM engine takes without it
-    (its config's max_position_embeddings, capped at vllm_engine.MAX_MODEL_LEN_CAP)."""
+    (vllm_engine.default_max_model_len: its config's max_position_embeddings, capped)."""
     if cfg.generation.vllm_cfg.max_model_len is not None:
         return cfg.generation.vllm_cfg.max_model_len
     from transformers import AutoConfig  # here: ~1 s to import
 
-    from nemo_grpo.generation.vllm_engine import MAX_MODEL_LEN_CAP
+    from nemo_grpo.generation.vllm_engine import default_max_model_len
 
-    positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-    return min(positions or MAX_MODEL_LEN_CAP, MAX_MODEL_LEN_CAP)
+    return default_max_model_len(AutoConfig.from_pretrained(model_path))
 
 
 def _client(cfg: LlmJudgeConfig, timeout_s: float, max_retries: int, api_key: Optional[str] = None):

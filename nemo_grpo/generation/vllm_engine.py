@@ -88,6 +88,13 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_r
 LORA_ID, LORA_NAME = 1, "policy"  # the one adapter an adapter refit installs (replaced by the next refit)
 
 
+def default_max_model_len(hf_config) -> int:
+    """The engine's context without vllm_cfg.max_model_len: the model's max_position_embeddings capped at
+    MAX_MODEL_LEN_CAP (vLLM refuses to start unless its KV cache holds one sequence of it)."""
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    return min(positions or MAX_MODEL_LEN_CAP, MAX_MODEL_LEN_CAP)
+
+
 def _vllm() -> SimpleNamespace:
     """The vLLM names this module uses, imported on first use (in the engine's actor, after ENGINE_ENV is set)."""
     # optional: vllm is not installed everywhere (and takes ~10 s to import), so not at the top of the module
@@ -201,8 +208,7 @@ class VllmGenerationWorker:
                    tensor_parallel_size: int, dtype: str, lora_cfg):
         cuda = torch.cuda.is_available()
         if max_model_len is None:
-            positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-            max_model_len = min(positions or MAX_MODEL_LEN_CAP, MAX_MODEL_LEN_CAP)
+            max_model_len = default_max_model_len(AutoConfig.from_pretrained(model_path))
         if tensor_parallel_size > 1 and not cuda:
             for key, value in CPU_TP_ENV.items():
                 os.environ.setdefault(key, value)

@@ -24,6 +24,11 @@ what they share (backends/memory_model.py), and the rest:
              the weights with a KV cache of its own; the rows are one device's, the notes count the replicas.
              Colocated, the policy moves to host memory while vLLM generates and vLLM sleeps (level 1) while the
              policy trains: the two phases are checked apart.
+  LLM judge  (env.llm_judge.model_name: in the cluster) the same vLLM rows and replica notes on its own devices
+             (env.llm_judge.resources; devices / its tp replicas per node), for a model that is never refit. A
+             device must hold one sequence of the judge's context: vllm_cfg.max_model_len, else the model's
+             max_position_embeddings capped as the engine caps it (vLLM's own check at start). The torch engine
+             is not planned (a note), as the policy's torch generation is not.
 Activations assume every sequence at policy.max_total_sequence_length, a packed row full at its token budget
 (backends/activations.py). Every GPU also keeps RUNTIME_RESERVE_GIB for the CUDA context, NCCL buffers and
 allocator fragmentation.
@@ -39,11 +44,12 @@ import torch
 from nemo_grpo.backends.memory_model import Device, Workload
 from nemo_grpo.backends.registry import backend_spec, policy_layout
 from nemo_grpo.distributed.resource_plan import counted, node_list, plan_resources
+from nemo_grpo.envs import judging
 from nemo_grpo.errors import ConfigError
 from nemo_grpo.models import lora
 from nemo_grpo.models.counts import total_params
 from nemo_grpo.models.spec import ModelSpec, hf_tensors
-from nemo_grpo.planning.params import hf_config
+from nemo_grpo.planning.params import decoder_spec, hf_config
 from nemo_grpo.precision import gpu_precision
 from nemo_grpo.weights.transfer import TensorSpec
 
@@ -159,15 +165,14 @@ def plan_memory(cfg, plan=None) -> MemoryPlan:
     if g.backend == "vllm" and not g.colocated.enabled and "generation" not in plan.placements:
         roles[0].notes.append(f"{plan.describe_replicas()}: vLLM on a CPU-only cluster, nothing to plan")
     elif g.backend == "vllm" and not g.colocated.enabled:
-        place = plan.placements["generation"]
-        rows, problems, notes = _vllm_rows(cfg, plan, spec, gpu)
-        layout = (f"vLLM {counted(len(plan.generation_replicas()), 'replica')} x TP {plan.generation_tp} = "
-                  f"{place.world_size} GPUs on nodes {node_list(place.nodes)}")
-        roles.append(RolePlan("generation", layout, _with_reserve([Device("every rank", {"generation": rows})]),
-                              place.gpus_per_node, notes=notes, problems=problems))
+        roles.append(_engine_role("generation", "generation", _generation_engine(cfg, plan, spec),
+                                  plan.placements["generation"], gpu))
     r = cfg.env.reward_model
     if r is not None and r.active:
         roles.append(_reward_model_role(r, plan))
+    j = cfg.env.llm_judge
+    if j is not None and j.in_cluster:
+        roles += _judge_roles(cfg, plan, gpu, roles[0])
     return MemoryPlan(gpu, roles)
 
 
@@ -212,7 +217,7 @@ def _policy_role(cfg, plan, spec, gpu: float) -> RolePlan:
     if spec.experts:
         role.notes += backend_spec(p.backend).moe_notes(p, spec, layout)
     if vllm_colocated:
-        rows, role.problems, notes = _vllm_rows(cfg, plan, spec, gpu)
+        rows, role.problems, notes = _vllm_rows(_generation_engine(cfg, plan, spec), gpu)
         for d in role.devices:
             d.phases["generation (colocated vLLM)"] = dict(rows, **{RESERVE: RUNTIME_RESERVE_GIB * GIB})
         role.host_per_gpu["vLLM asleep (weights)"] = rows[VLLM_WEIGHTS]
@@ -258,35 +263,65 @@ def _refit_note(p, spec: ModelSpec) -> str:
             f"{b['merged'] / b['adapters']:.0f}x the bytes")
 
 
-def _vllm_rows(cfg, plan, spec, gpu: float) -> tuple[dict[str, float], list[str], list[str]]:
+@dataclass(frozen=True)
+class VllmEngine:
+    """A vLLM engine to plan (policy generation, the LLM judge): its model, devices per replica, replicas,
+    gpu_memory_utilization, the tokens of one sequence its KV cache must hold, the prefix of its vllm_cfg keys (named
+    in a problem), the requests it serves (`noun`: of what, per what), `remedy` besides raising utilization or TP."""
+    spec: ModelSpec
+    tp: int
+    replicas: int
+    util: float
+    seq: int
+    key: str
+    requests: int
+    noun: str = "rollouts per step"
+    remedy: str = ""
+
+
+def _generation_engine(cfg, plan, spec) -> VllmEngine:
+    """The policy's vLLM engine: policy.max_total_sequence_length per sequence, a step's rollouts."""
+    g = cfg.policy.generation
+    return VllmEngine(spec, plan.generation_tp, len(plan.generation_replicas()), g.vllm_cfg.gpu_memory_utilization,
+                      cfg.policy.max_total_sequence_length, "policy.generation.vllm_cfg",
+                      cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt)
+
+
+def _vllm_rows(e: VllmEngine, gpu: float) -> tuple[dict[str, float], list[str], list[str]]:
     """vLLM on one of its devices: weights (bf16, / tp) and the KV cache gpu_memory_utilization leaves; the
     problems (no room for one sequence) and notes: the replicas, a replica's weights and the caches' capacity."""
-    g, seq = cfg.policy.generation, cfg.policy.max_total_sequence_length
-    tp, util = plan.generation_tp, g.vllm_cfg.gpu_memory_utilization
-    weights = total_params(spec) * 2.0 / tp
-    kv_per_token = 2 * spec.num_layers * max(1, spec.kv_heads // tp) * spec.head_dim * 2  # K and V, bf16
-    kv = util * gpu - weights
+    weights = total_params(e.spec) * 2.0 / e.tp
+    kv_per_token = 2 * e.spec.num_layers * max(1, e.spec.kv_heads // e.tp) * e.spec.head_dim * 2  # K and V, bf16
+    kv = e.util * gpu - weights
     rows = {VLLM_WEIGHTS: weights, "vLLM KV cache": max(kv, 0.0)}
     problems = []
-    if kv < kv_per_token * seq:
-        problems.append(f"policy.generation.vllm_cfg.gpu_memory_utilization {util} x {gpu / GIB:g} GiB leaves "
-                        f"{kv / GIB:.1f} GiB for the KV cache after {weights / GIB:.1f} GiB of weights, less than "
-                        f"one sequence of {seq} tokens ({kv_per_token * seq / GIB:.2f} GiB): raise it or "
-                        f"vllm_cfg.tensor_parallel_size")
+    if kv < kv_per_token * e.seq:
+        problems.append(f"{e.key}.gpu_memory_utilization {e.util} x {gpu / GIB:g} GiB leaves {kv / GIB:.1f} GiB for "
+                        f"the KV cache after {weights / GIB:.1f} GiB of weights, less than one sequence of {e.seq} "
+                        f"tokens ({kv_per_token * e.seq / GIB:.2f} GiB): raise it or vllm_cfg.tensor_parallel_size"
+                        f"{e.remedy}")
     tokens = max(kv, 0.0) / kv_per_token  # of one replica: its TP devices hold a share of each token's K and V
-    return rows, problems, _replica_notes(cfg, plan, weights, tokens)
+    return rows, problems, _replica_notes(e, weights, tokens)
 
 
-def _replica_notes(cfg, plan, device_weights: float, tokens: float) -> list[str]:
+def _replica_notes(e: VllmEngine, device_weights: float, tokens: float) -> list[str]:
     """What one engine replica holds (a full copy of the weights over its TP devices, a KV cache of `tokens`)
-    and what all of them hold, in tokens and sequences of policy.max_total_sequence_length."""
-    tp, n, seq = plan.generation_tp, len(plan.generation_replicas()), cfg.policy.max_total_sequence_length
-    rollouts = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    and what all of them hold, in tokens and sequences of e.seq tokens, against the requests of a step."""
+    tp, n, seq = e.tp, e.replicas, e.seq
     return [f"vLLM replica: weights {device_weights * tp / GIB:.1f} GiB (bf16, / TP {tp} = "
             f"{device_weights / GIB:.1f} per device), KV cache {tokens:,.0f} tokens = {tokens / seq:,.1f} sequences "
             f"of {seq} tokens",
             f"vLLM, {counted(n, 'replica')}: KV cache {tokens * n:,.0f} tokens = {tokens * n / seq:,.1f} sequences "
-            f"at once, for {rollouts} rollouts per step ({rollouts / n:,.0f} per replica)"]
+            f"at once, for {e.requests} {e.noun} ({e.requests / n:,.0f} per replica)"]
+
+
+def _engine_role(role: str, phase: str, e: VllmEngine, place, gpu: float, extra: str = "") -> RolePlan:
+    """A role of vLLM replicas on devices of its own (`place`): one device's rows in `phase`, the replica notes."""
+    rows, problems, notes = _vllm_rows(e, gpu)
+    layout = (f"vLLM {counted(e.replicas, 'replica')} x TP {e.tp} = {place.world_size} GPUs on nodes "
+              f"{node_list(place.nodes)}{extra}")
+    return RolePlan(role, layout, _with_reserve([Device("every rank", {phase: rows})]), place.gpus_per_node,
+                    notes=notes, problems=problems)
 
 
 def _reward_model_role(r, plan) -> RolePlan:
@@ -297,3 +332,61 @@ def _reward_model_role(r, plan) -> RolePlan:
     devices, _ = backend_spec(p.backend).plan_devices(p, spec, w, place.world_size)
     return RolePlan("reward model", _layout(p, place.world_size, place.nodes, "env.reward_model"),
                     _with_reserve(devices), place.gpus_per_node)
+
+
+# ---------------------------------------------------------------------------------------------- the LLM judge
+def _judge_roles(cfg, plan, gpu: float, policy: RolePlan) -> list[RolePlan]:
+    """The in-cluster LLM judge (env.llm_judge.model_name, frozen): its vLLM replicas on its own devices; a note on
+    the policy's role instead where nothing is planned (the torch engine, or no devices: a CPU-only cluster)."""
+    j = cfg.env.llm_judge
+    if j.generation.backend != "vllm":
+        policy.notes.append("LLM judge: the torch engine (a fallback) is not planned")
+        return []
+    if "llm_judge" not in plan.placements:
+        policy.notes.append("LLM judge: vLLM on an actor without devices (no llm_judge placement): on a CPU-only "
+                            "cluster, nothing to plan")
+        return []
+    place = plan.placements["llm_judge"]
+    return [_engine_role("LLM judge", "judging", _judge_engine(cfg, place), place, gpu, f", {j.model_name}, frozen")]
+
+
+def _judge_engine(cfg, place) -> VllmEngine:
+    """The judge's engine: its ModelSpec from its HF config, devices / TP replicas on each of its nodes
+    (resource_plan.judge_replicas), one sequence of its context: vllm_cfg.max_model_len, else what vLLM takes
+    (vllm_engine.default_max_model_len) and checks at start."""
+    from nemo_grpo.generation.vllm_engine import MAX_MODEL_LEN_CAP, default_max_model_len  # here: it imports ray
+
+    j, key = cfg.env.llm_judge, "env.llm_judge"
+    hf = hf_config(j.model_name, f"{key}.model_name")
+    try:
+        spec = decoder_spec(hf, scalar_head=False, any_rope=True)  # vLLM builds any RoPE scaling
+    except ValueError as e:
+        raise ConfigError(f"{key} ({j.model_name}): {e}") from None
+    v = j.generation.vllm_cfg
+    if v.max_model_len is not None:
+        seq, remedy = v.max_model_len, ", or lower vllm_cfg.max_model_len"
+    else:
+        seq = default_max_model_len(hf)
+        remedy = (f", or set a shorter vllm_cfg.max_model_len (unset: the model's max_position_embeddings "
+                  f"{getattr(hf, 'max_position_embeddings', None)}, capped at {MAX_MODEL_LEN_CAP})")
+    requests, noun = _judge_requests(cfg)
+    replicas = place.num_nodes * (place.gpus_per_node // v.tensor_parallel_size)
+    return VllmEngine(spec, v.tensor_parallel_size, replicas, v.gpu_memory_utilization, seq,
+                      f"{key}.generation.vllm_cfg", requests, noun, remedy)
+
+
+def _judge_requests(cfg) -> tuple[int, str]:
+    """The judge's first asks (parse retries aside) of a training step, or of a validation batch where only
+    validation is judged: one a sample (pointwise; equivalence with check_twice_swap: at most two), or its
+    group's ordered comparisons (pairwise); and what they are."""
+    j, g = cfg.env.llm_judge, cfg.grpo
+    if cfg.data.train.env_name == "llm_judge":
+        groups, size, per = g.num_prompts_per_step, g.num_generations_per_prompt, "per step"
+    else:
+        groups, size, per = min(g.val_batch_size, g.max_val_samples), 1, "per validation batch"
+    if j.mode == "pairwise":
+        pairs = judging.ordered_comparisons(size, j.comparison_strategy, j.check_twice_swap)
+        return groups * len(pairs), f"judge requests {per}"
+    if j.mode == "equivalence" and j.check_twice_swap:
+        return 2 * groups * size, f"judge requests {per} at most"
+    return groups * size, f"judge requests {per}"
