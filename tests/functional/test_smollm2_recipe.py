@@ -42,3 +42,28 @@ def test_recipe_first_two_steps_then_eval_of_its_checkpoint(user_console, ray_cl
                       "eval.progress_bar=false"]) == 0
     summary = json.load(open(f"{tmp_path}/eval/summary.json"))
     assert summary["metrics"]["num_samples"] == 16 and summary["metric"] == "pass@2"
+
+
+JUDGE_RECIPE = os.path.join(ROOT, "configs", "grpo_smollm2_judge_cpu.yaml")
+
+
+@pytest.mark.slow
+def test_judge_recipe_first_two_steps(user_console, ray_cluster, tmp_path):
+    """configs/grpo_smollm2_judge_cpu.yaml's first 2 steps: SmolLM2 rewarded by a frozen SmolLM2 judge in the
+    cluster (its own device, its template file, score_labels), validated on held-out subjects before and after.
+    Cut down as above; the judge's engine is the torch one (it starts in seconds; vLLM's is the policy's here)."""
+    from nemo_grpo.data import reviews
+
+    train, heldout = reviews.write_splits(str(tmp_path / "data"), 16, 4, seed=0)
+    train_in_process(
+        tmp_path, "grpo.max_num_steps=2", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
+        "policy.train_global_batch_size=4", "policy.train_micro_batch_size=2", "policy.generation.max_new_tokens=16",
+        "grpo.max_val_samples=4", "grpo.val_batch_size=4", "grpo.val_period=0", "checkpointing.enabled=false",
+        "env.llm_judge.generation.backend=torch", f"data.train.data_path={train}",
+        f"data.validation.data_path={heldout}", "policy.precision=auto", config=JUDGE_RECIPE)
+    steps = read_metrics(f"{tmp_path}/logs", "train")
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:  # each rollout judged: a score per review, every request answered, rewards the judged scores
+        assert r["llm_judge_env/judge_requests"] >= r["llm_judge_env/num_samples"] == 4
+        assert r["reward"] == pytest.approx(r["llm_judge_env/mean_score"], abs=1e-6)
+    assert [(r["step"], r["num_samples"]) for r in read_metrics(f"{tmp_path}/logs", "val")] == [(0, 4), (2, 4)]

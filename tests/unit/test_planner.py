@@ -220,15 +220,16 @@ def _recipes():
 
 @pytest.mark.parametrize("recipe", _recipes(), ids=os.path.basename)
 def test_every_recipe_fits_its_cluster(recipe, tiny_model_dir):
-    """Every GRPO recipe validates (model directories need not exist) and fits its stated cluster; a reward model
-    that train_rm makes first is stood in for by a tiny one."""
+    """Every GRPO recipe validates (model directories need not exist) and fits its stated cluster, a role per
+    reward model and in-cluster LLM judge; a reward model that train_rm makes first is stood in for by a tiny one."""
     overrides = []
     if os.path.basename(recipe) == "grpo_rm_tiny_cpu.yaml":
         overrides.append(f"env.reward_model.model_name={tiny_model_dir('qwen2', scalar_head=True)}")
     cfg, _, memory = plan_recipe(recipe, overrides)
     print(f"\n{os.path.basename(recipe)}\n{memory.table()}")
     assert memory.problems() == []
-    assert len(memory.roles) == 1 + (cfg.env.reward_model is not None and cfg.env.reward_model.enabled)
+    rm, judge = cfg.env.reward_model, cfg.env.llm_judge
+    assert len(memory.roles) == 1 + (rm is not None and rm.enabled) + (judge is not None and judge.in_cluster)
 
 
 def test_70B_recipes_plan_every_role():
