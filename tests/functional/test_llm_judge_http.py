@@ -97,6 +97,7 @@ def check_rewards(rewards, records) -> None:
         assert reward == pytest.approx(DEFAULT if score is None else judging.map_score(score, 0, 9))
 
 
+@pytest.mark.slow
 def test_http_judge_survives_a_server_killed_mid_step_and_resumes(ray_cluster, server):
     import ray
 
