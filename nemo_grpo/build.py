@@ -85,23 +85,18 @@ def judged(name: str, env) -> bool:
 
 
 def env_judge_kwargs(name: str, env, cluster, plan=None, groups: dict | None = None) -> dict:
-    """judge_env_kwargs for environment `name` (`judged`); the math environment also gets env.llm_judge itself."""
-    extra = judge_env_kwargs(env.llm_judge, cluster, plan, groups)
-    if name == "math":
-        extra["judge_cfg"] = env.llm_judge
-    return extra
-
-
-def judge_env_kwargs(j, cluster, plan=None, groups: dict | None = None) -> dict:
-    """The constructor kwargs of an environment that asks the LLM judge: its template, read here on the driver;
-    an in-cluster judge's engine replicas on its share of the resource plan (none: one replica, anywhere); an HTTP
-    judge's API key, read here from env.llm_judge.api_key_env (an argument, not the actor's runtime_env, which
-    Ray's dashboard shows)."""
+    """The constructor kwargs of environment `name` when it asks the LLM judge (`judged`): the template, read here
+    on the driver; an in-cluster judge's engine replicas on its share of the resource plan (none: one replica,
+    anywhere); an HTTP judge's API key, read here from env.llm_judge.api_key_env (an argument, not the actor's
+    runtime_env, which Ray's dashboard shows); the math environment also gets env.llm_judge itself."""
+    j = env.llm_judge
     extra = dict(template=read_judge_template(j), num_threads=cluster.num_threads_per_worker)
     if j.in_cluster and plan is not None:
         extra["replicas"] = judge_replicas(plan, groups, j.generation.vllm_cfg.tensor_parallel_size)
     if j.api_key_env:
         extra["api_key"] = os.environ[j.api_key_env]
+    if name == "math":
+        extra["judge_cfg"] = j
     return extra
 
 
