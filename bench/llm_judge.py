@@ -47,12 +47,23 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 from timing import machine_line  # noqa: E402  (bench/timing.py)
 
 MODEL = "builtin:smollm2-135m-instruct"
-# the SmolLM2 judge recipe's (configs/grpo_smollm2_judge_cpu.yaml, configs/judges/review_sentiment.txt)
-REVIEW_TEMPLATE = "Is the following sentence positive or negative? Answer with one word.\n\nSentence: {response}"
-REVIEW_LABELS = {"negative": 10.0, "positive": 0.0}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "configs", "grpo_smollm2_judge_cpu.yaml")
+
+
+def recipe_judge() -> tuple[str, dict[str, float]]:
+    """The SmolLM2 judge recipe's template text and score_labels, read from the recipe (not a copy that drifts)."""
+    with open(RECIPE, encoding="utf-8") as f:
+        judge = yaml.safe_load(f)["env"]["llm_judge"]
+    with open(os.path.join(ROOT, judge["judge_prompt_template_fpath"]), encoding="utf-8") as f:
+        return f.read(), {label: float(score) for label, score in judge["score_labels"].items()}
+
+
+REVIEW_TEMPLATE, REVIEW_LABELS = recipe_judge()
 SCALE = "How negative is the following review, from 0 (not negative at all) to 10 (very negative)? "
 BOXED_SCORE = SCALE + "Write only the number, inside \\boxed{}.\n\nReview: {response}"
 NUMBER_SCORE = SCALE + "Answer with the number only.\n\nReview: {response}"
