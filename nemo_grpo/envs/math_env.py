@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 CORRECT = "Environment: correct"
 INCORRECT = "Environment: incorrect"
 WORKER_START_TIMEOUT_S = 120.0  # a verifier process that has not started by then is an error
+ALARM_REPEAT_S = 0.1  # a sample past its time limit is interrupted again this often until it stops
 
 
 # ------------------------------------------------------------------------------------------ scoring
@@ -50,13 +51,15 @@ class _SampleTimeout(BaseException):
 
 @contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
-    """Raise `_SampleTimeout` in the body after `seconds` (wall clock). Main thread only (SIGALRM)."""
+    """Raise `_SampleTimeout` in the body after `seconds` (wall clock), and again every ALARM_REPEAT_S until the
+    body has left: a library's bare `except:` (mpmath's convert has one) may swallow one alarm, never all. Main
+    thread only (SIGALRM)."""
 
     def on_alarm(signum, frame):
         raise _SampleTimeout()
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3), ALARM_REPEAT_S)
     try:
         yield
     finally:

@@ -100,6 +100,24 @@ def test_pathological_inputs_score_zero_in_time(name):
     assert elapsed < TIMEOUT_S + SLACK_S, f"{name} took {elapsed:.1f} s"
 
 
+def test_an_alarm_swallowed_by_a_bare_except_fires_again():
+    """A library's bare `except:` (mpmath's convert) may swallow the alarm's _SampleTimeout; the alarm repeats, so
+    the sample still stops (a single alarm left the suite computing (10^1000000)! for good, under load)."""
+    from nemo_grpo.envs.math_env import _SampleTimeout, _time_limit
+
+    start = time.monotonic()
+    with pytest.raises(_SampleTimeout):
+        with _time_limit(0.2):
+            try:
+                time.sleep(2)  # the first alarm lands here
+            except:  # noqa: E722 -- what the library does
+                pass
+            while time.monotonic() - start < 5:  # pure-Python work: the repeated alarm interrupts it
+                pass
+    assert time.monotonic() - start < 0.2 + SLACK_S
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
 def test_the_alarm_interrupts_a_slow_sample_and_is_disarmed_after():
     before = signal.getsignal(signal.SIGALRM)
     start = time.monotonic()
